@@ -1,0 +1,20 @@
+// Problems and outputs to and from safetensors files (SPEC "Files").
+#pragma once
+
+#include "problem/problem.h"
+#include "problem/safetensors.h"
+
+namespace simpo {
+
+// Inputs file <-> Problem. Reading checks dtypes and shapes and parses every hyperparameter in
+// __metadata__ (absent ones take SPEC's defaults); it does not run validate().
+Problem problem_from_file(const SafetensorsFile&, const std::string& source_name);
+SafetensorsFile problem_to_file(const Problem&);
+Problem load_problem(const std::string& path);
+void save_problem(const std::string& path, const Problem&);
+
+// Outputs file: any subset of SPEC's output names (unknown names are an error naming them).
+TensorMap load_outputs(const std::string& path);
+void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace simpo

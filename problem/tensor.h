@@ -1,0 +1,79 @@
+// A named, typed, shaped block of little-endian bytes: the one currency that implementations, files and the
+// verifier exchange. It maps one-to-one onto a safetensors entry, so any candidate's outputs can be judged
+// without knowing which implementation wrote them.
+#pragma once
+
+#include <Eigen/Core>  // Eigen::bfloat16: the project's one bf16 type on the host
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace simpo {
+
+using bf16 = Eigen::bfloat16;
+
+enum class DType { BF16, F32, F64, I64 };
+
+std::string dtype_name(DType);                  // "BF16", "F32", "F64", "I64" (safetensors spelling)
+DType dtype_from_name(const std::string& name); // throws InputError on an unknown name
+std::size_t dtype_size(DType);
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<bf16>() { return DType::BF16; }
+template <> constexpr DType dtype_of<float>() { return DType::F32; }
+template <> constexpr DType dtype_of<double>() { return DType::F64; }
+template <> constexpr DType dtype_of<std::int64_t>() { return DType::I64; }
+
+std::string shape_string(const std::vector<std::int64_t>& shape);  // "[2, 3, 4]"
+
+struct Tensor {
+  DType dtype = DType::F64;
+  std::vector<std::int64_t> shape;  // empty: a scalar of one element
+  std::vector<std::byte> bytes;
+
+  Tensor() = default;
+  Tensor(DType dtype, std::vector<std::int64_t> shape);  // zero-filled
+
+  template <class T> static Tensor from(std::vector<std::int64_t> shape, std::span<const T> values);
+  template <class T> static Tensor scalar(T value) { return from<T>({}, std::span<const T>(&value, 1)); }
+
+  std::int64_t numel() const;
+
+  // Typed views; throw InputError when T is not this tensor's dtype.
+  template <class T> std::span<T> as();
+  template <class T> std::span<const T> as() const;
+
+  // Element i converted to double, whatever the dtype (exact for every dtype but I64 beyond 2^53).
+  double value(std::int64_t i) const;
+  std::vector<double> to_double() const;
+};
+
+// Outputs, inputs and files are all named tensors; std::map keeps a stable order for tables and files.
+using TensorMap = std::map<std::string, Tensor>;
+
+// ---- template definitions ----
+void check_dtype(const Tensor&, DType wanted);
+
+template <class T> Tensor Tensor::from(std::vector<std::int64_t> shape, std::span<const T> values) {
+  Tensor t(dtype_of<T>(), std::move(shape));
+  if (static_cast<std::size_t>(t.numel()) != values.size())
+    throw std::logic_error("Tensor::from: " + std::to_string(values.size()) + " values for shape " + shape_string(t.shape));
+  std::memcpy(t.bytes.data(), values.data(), values.size_bytes());
+  return t;
+}
+template <class T> std::span<T> Tensor::as() {
+  check_dtype(*this, dtype_of<T>());
+  return {reinterpret_cast<T*>(bytes.data()), bytes.size() / sizeof(T)};
+}
+template <class T> std::span<const T> Tensor::as() const {
+  check_dtype(*this, dtype_of<T>());
+  return {reinterpret_cast<const T*>(bytes.data()), bytes.size() / sizeof(T)};
+}
+
+}  // namespace simpo
