@@ -29,7 +29,7 @@ struct CaseSpec {
   std::string description;
 };
 
-// Deterministic in the spec alone. x ~ N(0,1), weight ~ N(0, (logit_scale^2 / H)), bias ~ N(0, 0.5^2)*scale/2,
+// Deterministic in the spec alone. x ~ N(0,1), weight ~ N(0, logit_scale^2 / H), bias ~ N(0, (logit_scale/4)^2),
 // all rounded to bf16; targets uniform in [0, V) with the ignore pattern applied. The problem's `seed`
 // metadata records the seed. Throws InputError for a shape validate_shape rejects.
 Problem generate(const CaseSpec&);

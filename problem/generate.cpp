@@ -1,0 +1,109 @@
+#include "problem/generate.h"
+
+#include <cmath>
+#include <numbers>
+
+namespace simpo {
+
+std::uint64_t Rng::next() {
+  std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+double Rng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+double Rng::normal() {
+  const double u1 = 1.0 - uniform();  // (0, 1]: log is finite
+  const double u2 = uniform();
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+}
+
+std::int64_t Rng::below(std::int64_t n) { return static_cast<std::int64_t>(next() % static_cast<std::uint64_t>(n)); }
+
+std::string ignore_pattern_name(IgnorePattern p) {
+  switch (p) {
+    case IgnorePattern::none: return "none";
+    case IgnorePattern::random: return "random";
+    case IgnorePattern::prompt_prefix: return "prompt_prefix";
+    case IgnorePattern::all_but_one: return "all_but_one";
+    case IgnorePattern::empty_sequence: return "empty_sequence";
+  }
+  return "?";
+}
+
+IgnorePattern ignore_pattern_from_name(const std::string& name) {
+  for (auto p : {IgnorePattern::none, IgnorePattern::random, IgnorePattern::prompt_prefix, IgnorePattern::all_but_one,
+                 IgnorePattern::empty_sequence})
+    if (ignore_pattern_name(p) == name) return p;
+  throw InputError("unknown ignore pattern \"" + name +
+                   "\" (none, random, prompt_prefix, all_but_one, empty_sequence)");
+}
+
+Problem generate(const CaseSpec& spec) {
+  const Shape& s = spec.shape;
+  validate_shape(s);
+  Rng rng(spec.seed);
+  Problem p;
+  p.shape = s;
+  p.hp = spec.hp;
+  p.seed = std::to_string(spec.seed);
+  p.description = spec.description;
+
+  p.x.resize(static_cast<std::size_t>(s.N() * s.H));
+  for (auto& v : p.x) v = bf16(static_cast<float>(rng.normal()));
+  // Each logit is a sum of H products of unit-variance x and weight of variance scale^2/H: std ~ scale.
+  const double w_std = spec.logit_scale / std::sqrt(static_cast<double>(s.H));
+  p.weight.resize(static_cast<std::size_t>(s.V * s.H));
+  for (auto& v : p.weight) v = bf16(static_cast<float>(w_std * rng.normal()));
+  if (spec.bias) {
+    p.bias.emplace(static_cast<std::size_t>(s.V));
+    for (auto& v : *p.bias) v = bf16(static_cast<float>(spec.logit_scale / 4 * rng.normal()));
+  }
+
+  // Completion targets never equal ignore_index (a custom ignore_index may lie inside [0, V)).
+  const std::int64_t ignore = spec.hp.ignore_index;
+  const bool ignore_in_vocab = ignore >= 0 && ignore < s.V;
+  auto draw_target = [&] {
+    if (ignore_in_vocab && s.V == 1) return ignore;
+    for (;;) {
+      const std::int64_t v = rng.below(s.V);
+      if (v != ignore) return v;
+    }
+  };
+  p.target.resize(static_cast<std::size_t>(s.N()));
+  for (auto& v : p.target) v = draw_target();
+
+  auto at = [&](std::int64_t b, std::int64_t t) -> std::int64_t& { return p.target[static_cast<std::size_t>(b * s.T + t)]; };
+  auto prompt_prefix = [&](std::int64_t b) {
+    const std::int64_t prefix = rng.below(s.T);  // 0..T-1: at least one completion token remains
+    for (std::int64_t t = 0; t < prefix; ++t) at(b, t) = ignore;
+  };
+  for (std::int64_t b = 0; b < s.B; ++b) {
+    switch (spec.ignore) {
+      case IgnorePattern::none: break;
+      case IgnorePattern::random: {
+        const std::int64_t keep = rng.below(s.T);
+        for (std::int64_t t = 0; t < s.T; ++t)
+          if (t != keep && rng.uniform() < 0.3) at(b, t) = ignore;
+        break;
+      }
+      case IgnorePattern::prompt_prefix:
+      case IgnorePattern::empty_sequence: prompt_prefix(b); break;
+      case IgnorePattern::all_but_one: {
+        const std::int64_t keep = rng.below(s.T);
+        for (std::int64_t t = 0; t < s.T; ++t)
+          if (t != keep) at(b, t) = ignore;
+        break;
+      }
+    }
+  }
+  if (spec.ignore == IgnorePattern::empty_sequence) {
+    const std::int64_t b = rng.below(s.B);
+    for (std::int64_t t = 0; t < s.T; ++t) at(b, t) = ignore;
+  }
+  return p;
+}
+
+}  // namespace simpo

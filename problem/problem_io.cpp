@@ -1,0 +1,145 @@
+#include "problem/problem_io.h"
+
+#include <charconv>
+#include <cmath>
+
+namespace simpo {
+
+namespace {
+
+std::string format_double(double v) {
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest text that reads back to the same double
+  return std::string(buf, res.ptr);
+}
+
+double parse_double(const std::string& key, const std::string& text) {
+  double v = 0;
+  auto res = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (res.ec != std::errc() || res.ptr != text.data() + text.size())
+    throw InputError("metadata " + key + " = \"" + text + "\" is not a number");
+  return v;
+}
+
+std::int64_t parse_int(const std::string& key, const std::string& text) {
+  std::int64_t v = 0;
+  auto res = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (res.ec != std::errc() || res.ptr != text.data() + text.size())
+    throw InputError("metadata " + key + " = \"" + text + "\" is not an integer");
+  return v;
+}
+
+bool parse_bool(const std::string& key, const std::string& text) {
+  if (text == "true") return true;
+  if (text == "false") return false;
+  throw InputError("metadata " + key + " = \"" + text + "\" is not \"true\" or \"false\"");
+}
+
+const Tensor& require(const SafetensorsFile& f, const std::string& source, const std::string& name, DType dtype,
+                      std::size_t rank) {
+  auto it = f.tensors.find(name);
+  if (it == f.tensors.end()) throw InputError(source + ": inputs file has no tensor \"" + name + "\"");
+  const Tensor& t = it->second;
+  if (t.dtype != dtype)
+    throw InputError(source + ": " + name + " is " + dtype_name(t.dtype) + ", SPEC says " + dtype_name(dtype));
+  if (t.shape.size() != rank)
+    throw InputError(source + ": " + name + " has shape " + shape_string(t.shape) + ", SPEC says rank " +
+                     std::to_string(rank));
+  return t;
+}
+
+template <class T> std::vector<T> values_of(const Tensor& t) {
+  auto s = t.as<T>();
+  return {s.begin(), s.end()};
+}
+
+}  // namespace
+
+Problem problem_from_file(const SafetensorsFile& f, const std::string& source) {
+  const Tensor& x = require(f, source, "x", DType::BF16, 3);
+  const Tensor& w = require(f, source, "weight", DType::BF16, 2);
+  const Tensor& target = require(f, source, "target", DType::I64, 2);
+  Problem p;
+  p.shape = {x.shape[0], x.shape[1], x.shape[2], w.shape[0]};
+  auto disagree = [&](const std::string& a, const Tensor& ta, const std::string& b, const Tensor& tb,
+                      const std::string& what) {
+    throw InputError(source + ": shapes disagree: " + a + " " + shape_string(ta.shape) + " and " + b + " " +
+                     shape_string(tb.shape) + " (" + what + ")");
+  };
+  if (w.shape[1] != x.shape[2]) disagree("x", x, "weight", w, "H must match");
+  if (target.shape[0] != x.shape[0] || target.shape[1] != x.shape[1]) disagree("x", x, "target", target, "B and T must match");
+  p.x = values_of<bf16>(x);
+  p.weight = values_of<bf16>(w);
+  p.target = values_of<std::int64_t>(target);
+  if (f.tensors.count("bias")) {
+    const Tensor& b = require(f, source, "bias", DType::BF16, 1);
+    if (b.shape[0] != w.shape[0]) disagree("weight", w, "bias", b, "V must match");
+    p.bias = values_of<bf16>(b);
+  }
+  for (const auto& [name, t] : f.tensors)
+    if (name != "x" && name != "weight" && name != "bias" && name != "target")
+      throw InputError(source + ": unexpected tensor \"" + name + "\" in an inputs file");
+
+  Hyperparameters& hp = p.hp;
+  try {
+    for (const auto& [key, value] : f.metadata) {
+      if (key == "beta") hp.beta = parse_double(key, value);
+      else if (key == "gamma") hp.gamma = parse_double(key, value);
+      else if (key == "alpha") hp.alpha = parse_double(key, value);
+      else if (key == "label_smoothing") hp.label_smoothing = parse_double(key, value);
+      else if (key == "grad_scale") hp.grad_scale = parse_double(key, value);
+      else if (key == "compute_nll_loss") hp.compute_nll_loss = parse_bool(key, value);
+      else if (key == "ignore_index") hp.ignore_index = parse_int(key, value);
+      else if (key == "empty_sequence") {
+        if (value == "error") hp.empty_sequence = EmptySequence::error;
+        else if (value == "zero") hp.empty_sequence = EmptySequence::zero;
+        else throw InputError("metadata empty_sequence = \"" + value + "\" is not \"error\" or \"zero\"");
+      } else if (key == "seed") p.seed = value;
+      else if (key == "description") p.description = value;
+      // Other keys are free-form provenance: kept out of the problem, never an error.
+    }
+  } catch (const InputError& e) {
+    throw InputError(source + ": " + e.what());
+  }
+  return p;
+}
+
+SafetensorsFile problem_to_file(const Problem& p) {
+  SafetensorsFile f;
+  const Shape& s = p.shape;
+  f.tensors["x"] = Tensor::from<bf16>({s.B, s.T, s.H}, p.x);
+  f.tensors["weight"] = Tensor::from<bf16>({s.V, s.H}, p.weight);
+  if (p.bias) f.tensors["bias"] = Tensor::from<bf16>({s.V}, *p.bias);
+  f.tensors["target"] = Tensor::from<std::int64_t>({s.B, s.T}, p.target);
+  const Hyperparameters& hp = p.hp;
+  f.metadata = {{"beta", format_double(hp.beta)},
+                {"gamma", format_double(hp.gamma)},
+                {"alpha", format_double(hp.alpha)},
+                {"label_smoothing", format_double(hp.label_smoothing)},
+                {"compute_nll_loss", hp.compute_nll_loss ? "true" : "false"},
+                {"ignore_index", std::to_string(hp.ignore_index)},
+                {"grad_scale", format_double(hp.grad_scale)},
+                {"empty_sequence", hp.empty_sequence == EmptySequence::zero ? "zero" : "error"},
+                {"seed", p.seed},
+                {"description", p.description}};
+  return f;
+}
+
+Problem load_problem(const std::string& path) { return problem_from_file(read_safetensors(path), path); }
+void save_problem(const std::string& path, const Problem& p) { write_safetensors(path, problem_to_file(p)); }
+
+TensorMap load_outputs(const std::string& path) {
+  SafetensorsFile f = read_safetensors(path);
+  for (const auto& [name, t] : f.tensors) {
+    bool known = false;
+    for (const auto& n : all_output_names()) known |= (n == name);
+    if (!known) throw InputError(path + ": unknown output tensor \"" + name + "\" (SPEC's outputs: loss, nll_loss, ...)");
+  }
+  return std::move(f.tensors);
+}
+
+void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata) {
+  write_safetensors(path, SafetensorsFile{outputs, metadata});
+}
+
+}  // namespace simpo

@@ -1,0 +1,73 @@
+#include "problem/tensor.h"
+
+#include "problem/problem.h"
+
+namespace simpo {
+
+std::string dtype_name(DType d) {
+  switch (d) {
+    case DType::BF16: return "BF16";
+    case DType::F32: return "F32";
+    case DType::F64: return "F64";
+    case DType::I64: return "I64";
+  }
+  return "?";
+}
+
+DType dtype_from_name(const std::string& name) {
+  if (name == "BF16") return DType::BF16;
+  if (name == "F32") return DType::F32;
+  if (name == "F64") return DType::F64;
+  if (name == "I64") return DType::I64;
+  throw InputError("unsupported dtype \"" + name + "\" (expected BF16, F32, F64 or I64)");
+}
+
+std::size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::BF16: return 2;
+    case DType::F32: return 4;
+    case DType::F64: return 8;
+    case DType::I64: return 8;
+  }
+  return 0;
+}
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+Tensor::Tensor(DType dtype_, std::vector<std::int64_t> shape_) : dtype(dtype_), shape(std::move(shape_)) {
+  bytes.assign(static_cast<std::size_t>(numel()) * dtype_size(dtype), std::byte{0});
+}
+
+std::int64_t Tensor::numel() const {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+void check_dtype(const Tensor& t, DType wanted) {
+  if (t.dtype != wanted)
+    throw InputError("tensor holds " + dtype_name(t.dtype) + ", read as " + dtype_name(wanted));
+}
+
+double Tensor::value(std::int64_t i) const {
+  const auto* p = bytes.data() + static_cast<std::size_t>(i) * dtype_size(dtype);
+  switch (dtype) {
+    case DType::BF16: { bf16 v; std::memcpy(&v, p, 2); return static_cast<double>(static_cast<float>(v)); }
+    case DType::F32: { float v; std::memcpy(&v, p, 4); return v; }
+    case DType::F64: { double v; std::memcpy(&v, p, 8); return v; }
+    case DType::I64: { std::int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }
+  }
+  return 0;
+}
+
+std::vector<double> Tensor::to_double() const {
+  std::vector<double> out(static_cast<std::size_t>(numel()));
+  for (std::int64_t i = 0; i < numel(); ++i) out[static_cast<std::size_t>(i)] = value(i);
+  return out;
+}
+
+}  // namespace simpo
