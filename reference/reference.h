@@ -1,5 +1,5 @@
 // The exact function of SPEC in float64 on the CPU: the oracle every other implementation is judged against.
-// Reads the bf16 inputs exactly, computes in double, never holds all N x V logits at once.
+// Reads the bf16 inputs exactly, computes in double, never holds more logits than one chunk.
 #pragma once
 
 #include "problem/problem.h"
@@ -10,13 +10,18 @@ namespace simpo::reference {
 
 struct Options {
   bool gradients = true;  // false: loss and auxiliary outputs only
-  // Rows of logits held at once (bounds memory at rows * V * 8 bytes); 0 picks a size for ~256 MiB.
+  // Rows of logits held at once (memory: rows * V * 8 bytes). With gradients, a chunk of at least 2T rows holds
+  // whole pairs and each row's logits are computed once (3 GEMMs in all); a smaller chunk splits a pair, so the
+  // logits are computed twice, once for the pair's statistics and once for its gradient (4 GEMMs).
+  // 0: whole pairs when one pair's logits fit in 4 GiB (the published workload: 2.1 GB), else ~256 MiB chunks.
   std::int64_t chunk_rows = 0;
   // Called with the fraction done; the CLI prints it on stderr for long runs. May be empty.
   std::function<void(double)> progress;
 };
 
 // Validates (simpo::validate) and computes SPEC's outputs: every tensor F64, grad_bias only with a bias.
+// When compute_nll_loss is on but there is no chosen completion token (allowed only with alpha = 0), nll_loss
+// is reported as 0 rather than 0/0.
 TensorMap compute(const Problem&, const Options& = {});
 
 }  // namespace simpo::reference

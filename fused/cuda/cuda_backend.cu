@@ -1,0 +1,116 @@
+// cuda::compute: validate, upload the inputs (rows padded to 8 elements), run the fused algorithm on the
+// device, download the outputs. The forward scalars come from fused/forward_outputs.h on the copied-back row
+// statistics, so they are bit-identical to the cpu backend's for identical statistics.
+#include "fused/cuda/cuda_backend.h"
+
+#include "fused/cuda/cuda_check.h"
+#include "fused/cuda/device_fused.h"
+
+#include <cstring>
+
+namespace simpo::fused::cuda {
+
+bool device_present() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: not an error for this question
+    return false;
+  }
+  return count > 0;
+}
+
+namespace {
+
+// A [rows, cols] bf16 host matrix into a device [rows, ld] one whose extra columns are zero.
+DeviceBuffer upload_rows(const std::vector<bf16>& host, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                         const std::string& name, cudaStream_t stream) {
+  DeviceBuffer device(static_cast<std::size_t>(rows * ld * 2), name);
+  if (ld != cols) SIMPO_CUDA_CHECK(cudaMemsetAsync(device.get(), 0, rows * ld * 2, stream));
+  SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(device.get(), ld * 2, host.data(), cols * 2, cols * 2, rows,
+                                     cudaMemcpyHostToDevice, stream));
+  return device;
+}
+
+// A dense device buffer into a new host tensor of `dtype` and `shape`.
+Tensor download(const void* device, DType dtype, std::vector<std::int64_t> shape, cudaStream_t stream) {
+  Tensor t(dtype, std::move(shape));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(t.bytes.data(), device, t.bytes.size(), cudaMemcpyDeviceToHost, stream));
+  return t;
+}
+
+}  // namespace
+
+TensorMap compute(const Problem& problem, const Options& options) {
+  if (options.mutant != Mutant::none)
+    throw InputError("mutants are implemented by the cpu backend (the cuda backend was asked for mutant " +
+                     mutant_name(options.mutant) + ")");
+  validate(problem, {.scan_values = options.validate});
+  if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
+
+  const Shape& s = problem.shape;
+  const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
+  FusedRunner runner;
+  const cudaStream_t stream = runner.stream();
+
+  // Inputs.
+  DeviceBuffer x = upload_rows(problem.x, N, H, ld_h, "x", stream);
+  DeviceBuffer weight = upload_rows(problem.weight, V, H, ld_h, "weight", stream);
+  DeviceBuffer bias, target(static_cast<std::size_t>(N * 8), "target");
+  if (problem.has_bias()) bias = upload_rows(*problem.bias, 1, V, V, "bias", stream);
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice, stream));
+
+  DeviceProblem device;
+  device.shape = s;
+  device.hp = problem.hp;
+  device.ld_h = ld_h;
+  device.x = x.as<__nv_bfloat16>();
+  device.weight = weight.as<__nv_bfloat16>();
+  device.bias = problem.has_bias() ? bias.as<__nv_bfloat16>() : nullptr;
+  device.target = target.as<std::int64_t>();
+  device.targets = read_targets(problem);
+
+  if (!options.gradients) {
+    const RowStats stats = runner.run(device, nullptr, options);
+    return forward_outputs(problem, device.targets, stats);
+  }
+
+  // Gradients: the fp32 accumulators, and the bf16 outputs they are rounded into unless F32 was asked for.
+  const bool f32 = options.grad_weight_f32;
+  DeviceBuffer grad_x(static_cast<std::size_t>(N * H * 2), "grad_x");
+  DeviceBuffer grad_weight(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator");
+  DeviceBuffer grad_bias, grad_weight_bf16, grad_bias_bf16;
+  if (problem.has_bias()) grad_bias = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator");
+  if (!f32) {
+    grad_weight_bf16 = DeviceBuffer(static_cast<std::size_t>(V * H * 2), "grad_weight");
+    if (problem.has_bias()) grad_bias_bf16 = DeviceBuffer(static_cast<std::size_t>(V * 2), "grad_bias");
+  }
+  DeviceGradients gradients;
+  gradients.grad_x = grad_x.as<__nv_bfloat16>();
+  gradients.grad_weight = grad_weight.as<float>();
+  gradients.grad_bias = grad_bias.as<float>();
+  gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();
+  gradients.grad_bias_bf16 = grad_bias_bf16.as<__nv_bfloat16>();
+
+  const RowStats stats = runner.run(device, &gradients, options);
+  TensorMap out = forward_outputs(problem, device.targets, stats);
+
+  out[output_name::grad_x] = download(grad_x.get(), DType::BF16, output_shape(s, output_name::grad_x), stream);
+  const auto weight_shape = output_shape(s, output_name::grad_weight);
+  if (f32) {
+    Tensor t(DType::F32, weight_shape);  // the accumulator itself, without its padding columns
+    SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(t.bytes.data(), H * 4, grad_weight.get(), ld_h * 4, H * 4, V,
+                                       cudaMemcpyDeviceToHost, stream));
+    out[output_name::grad_weight] = std::move(t);
+  } else {
+    out[output_name::grad_weight] = download(grad_weight_bf16.get(), DType::BF16, weight_shape, stream);
+  }
+  if (problem.has_bias()) {
+    const auto bias_shape = output_shape(s, output_name::grad_bias);
+    out[output_name::grad_bias] = f32 ? download(grad_bias.get(), DType::F32, bias_shape, stream)
+                                      : download(grad_bias_bf16.get(), DType::BF16, bias_shape, stream);
+  }
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return out;
+}
+
+}  // namespace simpo::fused::cuda

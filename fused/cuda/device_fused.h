@@ -1,0 +1,75 @@
+// The fused algorithm on inputs already on the device: what cuda::compute runs after uploading, and what the
+// benchmark times (so the numbers exclude host transfers). One FusedRunner owns a stream, the cuBLAS handles
+// and the workspace, and can be reused across calls of the same or smaller size.
+#pragma once
+
+#include "fused/cuda/device_buffer.h"
+#include "fused/cuda/gemm.h"
+#include "fused/forward_outputs.h"
+#include "fused/fused.h"
+#include "fused/schedule.h"
+#include "problem/problem.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace simpo::fused::cuda {
+
+// Row length of x, weight and the fp32 gradient buffers on the device: H rounded up to 8 elements so every
+// row is 16-byte aligned for cuBLASLt and the vector loads; the extra columns hold zeros.
+inline std::int64_t padded(std::int64_t n) { return (n + 7) / 8 * 8; }
+
+struct DeviceProblem {
+  Shape shape;
+  Hyperparameters hp;
+  std::int64_t ld_h = 0;                 // padded(H)
+  const __nv_bfloat16* x = nullptr;      // [N, ld_h], padding columns zero
+  const __nv_bfloat16* weight = nullptr; // [V, ld_h], padding columns zero
+  const __nv_bfloat16* bias = nullptr;   // [V] or nullptr
+  const std::int64_t* target = nullptr;  // [N]
+  Targets targets;                       // host: n[b] and N_c (fused/forward_outputs.h)
+};
+
+struct DeviceGradients {
+  __nv_bfloat16* grad_x = nullptr;            // [N, H], the output
+  float* grad_weight = nullptr;               // [V, ld_h] fp32 accumulator; run() zeroes it first
+  float* grad_bias = nullptr;                 // [V] fp32, or nullptr without a bias; run() zeroes it first
+  __nv_bfloat16* grad_weight_bf16 = nullptr;  // [V, H] or nullptr: when set, run() rounds the accumulator into it
+  __nv_bfloat16* grad_bias_bf16 = nullptr;    // [V] or nullptr, likewise
+};
+
+// What one run used, for tests, logs and the benchmark.
+struct RunReport {
+  Schedule schedule;
+  std::int64_t workspace_bytes = 0;  // the one workspace allocation, all scratch included
+  int gemm_fallbacks = 0;            // GEMMs that went to cublasGemmEx instead of cuBLASLt
+};
+
+class FusedRunner {
+ public:
+  FusedRunner();
+  ~FusedRunner();
+  FusedRunner(const FusedRunner&) = delete;
+  FusedRunner& operator=(const FusedRunner&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+
+  // Enqueues the whole algorithm on stream() (gradients == nullptr: forward only), then waits once, at the
+  // end, for the N rows' statistics. Throws InputError when options.workspace_bytes cannot hold one row.
+  RowStats run(const DeviceProblem&, const DeviceGradients* gradients, const Options&);
+
+  const RunReport& last_report() const { return report_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  DeviceBuffer workspace_;
+  std::unique_ptr<Gemms> gemms_;
+  std::int64_t gemm_bytes_ = 0;  // the cuBLASLt scratch gemms_ was made with
+  RunReport report_;
+};
+
+}  // namespace simpo::fused::cuda

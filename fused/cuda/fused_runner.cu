@@ -1,0 +1,198 @@
+#include "fused/cuda/cuda_check.h"
+#include "fused/cuda/device_fused.h"
+#include "fused/cuda/kernels.h"
+
+#include <algorithm>
+
+namespace simpo::fused::cuda {
+namespace {
+
+constexpr std::int64_t kAlign = 256;  // every workspace piece starts 256-byte aligned (cuBLASLt's best case)
+std::int64_t align_up(std::int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// cuBLASLt's scratch: 32 MiB is NVIDIA's recommendation for Hopper; small budgets give it an eighth.
+std::int64_t gemm_workspace_bytes(std::int64_t budget) {
+  return std::min<std::int64_t>(std::int64_t{32} << 20, budget / 8 / kAlign * kAlign);
+}
+
+// The workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that live for the
+// whole run, then the chunk buffers (logits, dz, grad_x) sized for the largest chunk.
+struct Layout {
+  std::int64_t gemm = 0, lse = 0, z_target = 0, target_coef = 0, rowsum = 0, avg = 0, avg_grad = 0,
+               completion_tokens = 0, fixed = 0;
+  std::int64_t per_row = 0;  // this backend's bytes per chunk row (padded rows; cf. workspace_bytes_per_row)
+  std::int64_t logits = 0, dz = 0, grad_x = 0, total = 0;
+};
+
+Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients) {
+  Layout l;
+  const std::int64_t N = s.N(), B = s.B, ld_v = padded(s.V), ld_h = padded(s.H);
+  std::int64_t at = 0;
+  auto take = [&](std::int64_t bytes) {
+    const std::int64_t offset = at;
+    at += align_up(bytes);
+    return offset;
+  };
+  l.gemm = take(gemm_workspace_bytes(budget));
+  l.lse = take(N * 4);
+  l.z_target = take(N * 4);
+  l.target_coef = take(N * 4);
+  l.rowsum = take(N * 8);
+  l.avg = take(B * 8);
+  l.avg_grad = take(B * 8);
+  l.completion_tokens = take(B * 8);
+  l.fixed = at + 3 * kAlign;  // room to align the three chunk buffers
+  l.per_row = ld_v * 4 + (gradients ? ld_v * 2 + ld_h * 4 : 0);
+  return l;
+}
+
+void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool gradients) {
+  const std::int64_t ld_v = padded(s.V), ld_h = padded(s.H);
+  const std::int64_t gradient_rows = gradients ? rows : 0;  // forward only: logits alone
+  std::int64_t at = l.fixed - 3 * kAlign;
+  l.logits = at;
+  at += align_up(rows * ld_v * 4);
+  l.dz = at;
+  at += align_up(gradient_rows * ld_v * 2);
+  l.grad_x = at;
+  at += align_up(gradient_rows * ld_h * 4);
+  l.total = at;
+}
+
+}  // namespace
+
+FusedRunner::FusedRunner() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+
+FusedRunner::~FusedRunner() {
+  gemms_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, const Options& options) {
+  const Shape& s = p.shape;
+  const Hyperparameters& hp = p.hp;
+  const std::int64_t N = s.N(), B = s.B, P = s.P(), T = s.T, V = s.V, H = s.H;
+  const std::int64_t ld_v = padded(V), ld_h = p.ld_h;
+  const bool gradients = g != nullptr;
+  if (ld_h != padded(H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
+
+  // The plan of fused/schedule.h, with the budget it sees shrunk so that this backend's padded rows and fixed
+  // scratch stay inside options.workspace_bytes: it then cuts the rows exactly where that budget allows.
+  const std::int64_t budget = options.workspace_bytes;
+  Layout layout = fixed_layout(s, std::max<std::int64_t>(budget, 0), gradients);
+  const std::int64_t rows_that_fit = budget > layout.fixed ? (budget - layout.fixed) / layout.per_row : 0;
+  if (rows_that_fit < 1)
+    throw InputError("cuda backend: workspace of " + std::to_string(budget) + " bytes cannot hold one token row of " +
+                     s.to_string() + ": it needs " + std::to_string(layout.fixed + layout.per_row) + " bytes (" +
+                     std::to_string(layout.fixed) + " fixed: GEMM scratch and row statistics, plus " +
+                     std::to_string(layout.per_row) + " per row)");
+  Options plan_options = options;
+  plan_options.gradients = gradients;
+  plan_options.workspace_bytes = rows_that_fit * workspace_bytes_per_row(s, gradients);
+  report_.schedule = plan(s, plan_options);
+  place_chunk_buffers(layout, s, report_.schedule.max_rows(), gradients);
+  report_.workspace_bytes = layout.total;
+
+  // One allocation for all scratch, reused across runs of the same size.
+  const std::int64_t gemm_bytes = gemm_workspace_bytes(budget);
+  if (!gemms_ || workspace_.bytes() != static_cast<std::size_t>(layout.total) || gemm_bytes != gemm_bytes_) {
+    gemms_.reset();
+    workspace_ = DeviceBuffer();  // free the old one first: peak memory is one workspace, never two
+    workspace_ = DeviceBuffer(static_cast<std::size_t>(layout.total), "the fused workspace");
+    gemms_ = std::make_unique<Gemms>(stream_, workspace_.as<char>() + layout.gemm,
+                                     static_cast<std::size_t>(gemm_bytes));
+    gemm_bytes_ = gemm_bytes;
+  }
+  char* base = workspace_.as<char>();
+  float* lse = reinterpret_cast<float*>(base + layout.lse);
+  float* z_target = reinterpret_cast<float*>(base + layout.z_target);
+  float* target_coef = reinterpret_cast<float*>(base + layout.target_coef);
+  double* rowsum = reinterpret_cast<double*>(base + layout.rowsum);
+  double* avg = reinterpret_cast<double*>(base + layout.avg);
+  double* avg_grad = reinterpret_cast<double*>(base + layout.avg_grad);
+  auto* completion_tokens = reinterpret_cast<std::int64_t*>(base + layout.completion_tokens);
+  float* logits = reinterpret_cast<float*>(base + layout.logits);
+  auto* dz = reinterpret_cast<__nv_bfloat16*>(base + layout.dz);
+  float* grad_x_part = reinterpret_cast<float*>(base + layout.grad_x);
+
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(completion_tokens, p.targets.n.data(), B * 8, cudaMemcpyHostToDevice, stream_));
+  if (g) {
+    SIMPO_CUDA_CHECK(cudaMemsetAsync(g->grad_weight, 0, V * ld_h * 4, stream_));
+    if (g->grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g->grad_bias, 0, V * 4, stream_));
+  }
+
+  const PairParams pair_params{T, P, hp.ignore_index, hp.beta, hp.gamma, hp.label_smoothing};
+  const double nll_weight =
+      hp.compute_nll_loss && p.targets.n_chosen > 0 ? hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
+  const CoefficientParams coefficients{T, P, hp.grad_scale, nll_weight, avg_grad, completion_tokens};
+
+  // A chunk's parts are stacked in its buffers: part i starts at buffer row `offset`.
+  auto part_logits = [&](const RowRange& part, std::int64_t offset) {
+    return LogitRows{logits + offset * ld_v, ld_v, part.rows(), part.begin, V, p.bias, p.target, hp.ignore_index};
+  };
+  auto logits_of = [&](const Chunk& c, bool with_stats) {
+    std::int64_t offset = 0;
+    for (int i = 0; i < c.part_count; ++i) {
+      const RowRange& part = c.parts[i];
+      gemms_->logits(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, logits + offset * ld_v, ld_v);
+      if (with_stats) launch_row_stats(part_logits(part, offset), lse, z_target, rowsum, stream_);
+      offset += part.rows();
+    }
+  };
+  auto backward_of = [&](const Chunk& c) {
+    std::int64_t offset = 0;
+    for (int i = 0; i < c.part_count; ++i) {
+      const RowRange& part = c.parts[i];
+      const std::int64_t rows = part.rows();
+      __nv_bfloat16* dz_part = dz + offset * ld_v;
+      float* gx = grad_x_part + offset * ld_h;
+      launch_dz(part_logits(part, offset), coefficients, lse, z_target, dz_part, ld_v, target_coef, stream_);
+      gemms_->grad_x(rows, V, ld_h, dz_part, ld_v, p.weight, gx);
+      gemms_->accumulate_grad_weight(rows, V, ld_h, dz_part, ld_v, p.x + part.begin * ld_h, g->grad_weight);
+      launch_grad_x_finish(gx, rows, part.begin, H, ld_h, p.weight, p.target, target_coef, g->grad_x, stream_);
+      launch_target_scatter(p.x, rows, part.begin, H, ld_h, p.target, target_coef, g->grad_weight, g->grad_bias,
+                            stream_);
+      if (g->grad_bias) launch_bias_column_sums(dz_part, ld_v, rows, V, g->grad_bias, stream_);
+      offset += rows;
+    }
+  };
+  auto pair_math = [&](std::int64_t pair_begin, std::int64_t pair_end) {
+    launch_pair_math(pair_params, pair_begin, pair_end, p.target, lse, z_target, completion_tokens, avg, avg_grad,
+                     stream_);
+  };
+
+  // No host synchronization from here to the copy of the row statistics at the end.
+  const Schedule& schedule = report_.schedule;
+  switch (schedule.mode) {
+    case Mode::three_pass:
+      for (const Chunk& c : schedule.chunks) {
+        logits_of(c, /*with_stats=*/true);
+        pair_math(c.pair_begin, c.pair_end);
+        backward_of(c);
+      }
+      break;
+    case Mode::two_pass:
+      for (const Chunk& c : schedule.chunks) logits_of(c, true);
+      pair_math(0, P);
+      for (const Chunk& c : schedule.chunks) {
+        logits_of(c, /*with_stats=*/false);  // recomputed: the budget could not keep a whole pair's logits
+        backward_of(c);
+      }
+      break;
+    case Mode::forward_only:
+      for (const Chunk& c : schedule.chunks) logits_of(c, true);
+      break;
+  }
+  if (g && g->grad_weight_bf16) launch_round_to_bf16(g->grad_weight, ld_h, V, H, g->grad_weight_bf16, stream_);
+  if (g && g->grad_bias && g->grad_bias_bf16) launch_round_to_bf16(g->grad_bias, V, 1, V, g->grad_bias_bf16, stream_);
+
+  RowStats stats(N);
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.lse.data(), lse, N * 4, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.z_target.data(), z_target, N * 4, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.rowsum.data(), rowsum, N * 8, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  report_.gemm_fallbacks = gemms_->fallback_calls();
+  return stats;
+}
+
+}  // namespace simpo::fused::cuda

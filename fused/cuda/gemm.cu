@@ -1,0 +1,135 @@
+#include "fused/cuda/gemm.h"
+
+#include "fused/cuda/cuda_check.h"
+
+#include <climits>
+
+namespace simpo::fused::cuda {
+namespace {
+
+// The largest power of two (up to 256) dividing the address: what cuBLASLt's heuristic must be told the
+// operand's alignment is, since a chunk's operands start inside a larger buffer.
+int alignment_of(const void* p) {
+  const auto address = reinterpret_cast<std::uintptr_t>(p);
+  int alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// RAII for the descriptor objects of one cuBLASLt call.
+struct MatmulDescriptors {
+  cublasLtMatmulDesc_t operation = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t preference = nullptr;
+  ~MatmulDescriptors() {
+    if (preference) cublasLtMatmulPreferenceDestroy(preference);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (operation) cublasLtMatmulDescDestroy(operation);
+  }
+};
+
+int as_int(std::int64_t value, const char* what) {
+  if (value > INT_MAX) throw CudaError(std::string("cuBLAS fallback: ") + what + " exceeds INT_MAX");
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+Gemms::Gemms(cudaStream_t stream, void* workspace, std::size_t workspace_bytes)
+    : stream_(stream), workspace_(workspace), workspace_bytes_(workspace_bytes) {
+  SIMPO_CUBLAS_CHECK(cublasLtCreate(&lt_));
+  SIMPO_CUBLAS_CHECK(cublasCreate(&blas_));
+  SIMPO_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+  // cuBLAS would otherwise take its own workspace outside the budget.
+  SIMPO_CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
+}
+
+Gemms::~Gemms() {
+  if (blas_) cublasDestroy(blas_);
+  if (lt_) cublasLtDestroy(lt_);
+}
+
+void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                 const __nv_bfloat16* A, std::int64_t lda, const __nv_bfloat16* B, std::int64_t ldb, float beta,
+                 float* C, std::int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const float alpha = 1.0f;
+  const cublasOperation_t op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  // Stored (pre-op) shapes: A is m x k, or k x m when transposed; B is k x n, or n x k.
+  const std::uint64_t a_rows = transpose_a ? k : m, a_cols = transpose_a ? m : k;
+  const std::uint64_t b_rows = transpose_b ? n : k, b_cols = transpose_b ? k : n;
+
+  MatmulDescriptors d;
+  SIMPO_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.operation, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  SIMPO_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  SIMPO_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, a_rows, a_cols, lda));
+  SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, b_rows, b_cols, ldb));
+  SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_32F, m, n, ldc));
+
+  const int align_a = alignment_of(A), align_b = alignment_of(B), align_c = alignment_of(C);
+  const Key key{transpose_a, transpose_b, m, n, k, lda, ldb, ldc, align_a, align_b, align_c};
+  auto found = choices_.find(key);
+  if (found == choices_.end()) {
+    Choice choice;
+    SIMPO_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.preference));
+    SIMPO_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_, sizeof(workspace_bytes_)));
+    const std::uint32_t a_bytes = align_a, b_bytes = align_b, c_bytes = align_c;
+    SIMPO_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a_bytes, sizeof(a_bytes)));
+    SIMPO_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_bytes, sizeof(b_bytes)));
+    SIMPO_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &c_bytes, sizeof(c_bytes)));
+    SIMPO_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &c_bytes, sizeof(c_bytes)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int returned = 0;
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(lt_, d.operation, d.a, d.b, d.c, d.c, d.preference, 1, &result, &returned);
+    // NOT_SUPPORTED (no algorithm for this shape) is an answer, not a failure: the fallback takes it.
+    if (status != CUBLAS_STATUS_NOT_SUPPORTED) SIMPO_CUBLAS_CHECK(status);
+    if (status == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+      choice.found = true;
+      choice.algo = result.algo;
+    }
+    found = choices_.emplace(key, choice).first;
+  }
+
+  if (found->second.found) {
+    SIMPO_CUBLAS_CHECK(cublasLtMatmul(lt_, d.operation, &alpha, A, d.a, B, d.b, &beta, C, d.c, C, d.c,
+                                      &found->second.algo, workspace_, workspace_bytes_, stream_));
+    return;
+  }
+  ++fallback_calls_;
+  SIMPO_CUBLAS_CHECK(cublasGemmEx(blas_, op_a, op_b, as_int(m, "m"), as_int(n, "n"), as_int(k, "k"), &alpha, A,
+                                  CUDA_R_16BF, as_int(lda, "lda"), B, CUDA_R_16BF, as_int(ldb, "ldb"), &beta, C,
+                                  CUDA_R_32F, as_int(ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// Row-major logits[rows, V] = x W^T is column-major logits^T[V, rows] = (W as col-major [ld_h, V])^T x^T,
+// with x^T the col-major [ld_h, rows] view of row-major x.
+void Gemms::logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
+                   const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits) {
+  gemm(/*transpose_a=*/true, /*transpose_b=*/false, V, rows, ld_h, weight, ld_h, x, ld_h, 0.0f, logits, ld_logits);
+}
+
+// Row-major grad_x[rows, ld_h] = dz W is column-major grad_x^T[ld_h, rows] = W^T(col-major [ld_h, V]) dz^T.
+void Gemms::grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
+                   std::int64_t ld_dz, const __nv_bfloat16* weight, float* grad_x) {
+  gemm(false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, 0.0f, grad_x, ld_h);
+}
+
+// Row-major grad_W[V, ld_h] += dz^T x is column-major grad_W^T[ld_h, V] += x^T(col-major [ld_h, rows]) dz
+// (dz^T is col-major [V, rows], transposed to [rows, V]).
+void Gemms::accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
+                                   std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight) {
+  if (rows == 0) return;
+  gemm(false, true, ld_h, V, rows, x, ld_h, dz, ld_dz, 1.0f, grad_weight, ld_h);
+}
+
+}  // namespace simpo::fused::cuda

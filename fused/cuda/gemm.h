@@ -1,0 +1,67 @@
+// The three GEMMs of the fused algorithm, through cuBLASLt: bf16 operands, fp32 compute, fp32 output.
+// Everything here is row-major [rows, ld]; cuBLAS is column-major, so each call computes C^T = op(B)^T op(A)^T
+// with the operands swapped (spelled out at each call site in gemm.cu).
+//
+// Leading dimensions are whatever the caller padded to (multiples of 8 elements keep every row 16-byte
+// aligned, which cuBLASLt's tensor-core kernels want); m, n and k may be any size. When cuBLASLt's heuristic
+// offers no algorithm for a shape or alignment, the call falls back to cublasGemmEx, which handles every case.
+#pragma once
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+namespace simpo::fused::cuda {
+
+class Gemms {
+ public:
+  // `workspace` (device, `workspace_bytes`) is cuBLASLt's and cuBLAS's scratch: both stay inside the budget.
+  Gemms(cudaStream_t stream, void* workspace, std::size_t workspace_bytes);
+  ~Gemms();
+  Gemms(const Gemms&) = delete;
+  Gemms& operator=(const Gemms&) = delete;
+
+  // logits[rows, ld_logits] = x[rows, ld_h] weight[V, ld_h]^T, first V columns; k runs over ld_h (the
+  // padding columns of x and weight are zero).
+  void logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
+              const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits);
+  // grad_x[rows, ld_h] = dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero).
+  void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz, std::int64_t ld_dz,
+              const __nv_bfloat16* weight, float* grad_x);
+  // grad_weight[V, ld_h] += dz[rows, V]^T x[rows, ld_h]: beta = 1, the fp32 accumulator across chunks.
+  void accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
+                              std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight);
+
+  // How many calls took the cublasGemmEx fallback (tests and the benchmark report it).
+  int fallback_calls() const { return fallback_calls_; }
+
+ private:
+  // Column-major C[m, n] (ldc) = op(A) op(B) + beta C.
+  void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
+            const __nv_bfloat16* A, std::int64_t lda, const __nv_bfloat16* B, std::int64_t ldb, float beta, float* C,
+            std::int64_t ldc);
+
+  cudaStream_t stream_;
+  void* workspace_;
+  std::size_t workspace_bytes_;
+  cublasLtHandle_t lt_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  // Heuristic answers per (transa, transb, m, n, k, lda, ldb, ldc, alignments): asking costs tens of
+  // microseconds, and a run repeats the same few shapes chunk after chunk.
+  using Key = std::tuple<bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                         std::int64_t, int, int, int>;
+  struct Choice {
+    bool found = false;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::map<Key, Choice> choices_;
+  int fallback_calls_ = 0;
+};
+
+}  // namespace simpo::fused::cuda

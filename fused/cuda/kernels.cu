@@ -1,0 +1,368 @@
+#include "fused/cuda/kernels.h"
+
+#include "fused/cuda/cuda_check.h"
+#include "fused/simpo_math.h"
+
+namespace simpo::fused::cuda {
+namespace {
+
+namespace m = ::simpo::fused::math;
+
+constexpr int kRowThreads = 256;  // one block per token row; 8 warps keep ~16 KB of loads in flight per row
+constexpr int kWarps = kRowThreads / 32;
+
+// ---- 16-byte access helpers: 8 consecutive columns of a row per thread and step ----
+
+// Eight fp32 logits (two 16-byte loads) plus, with a bias, eight bf16 biases (one 16-byte load).
+template <bool kBias>
+__device__ inline void load8(const float* row, const __nv_bfloat16* bias, std::int64_t v, float z[8]) {
+  const float4 lo = *reinterpret_cast<const float4*>(row + v);
+  const float4 hi = *reinterpret_cast<const float4*>(row + v + 4);
+  z[0] = lo.x; z[1] = lo.y; z[2] = lo.z; z[3] = lo.w;
+  z[4] = hi.x; z[5] = hi.y; z[6] = hi.z; z[7] = hi.w;
+  if constexpr (kBias) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(bias + v);
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 b = __bfloat1622float2(pairs[i]);
+      z[2 * i] += b.x;
+      z[2 * i + 1] += b.y;
+    }
+  }
+}
+
+template <bool kBias>
+__device__ inline float load1(const float* row, const __nv_bfloat16* bias, std::int64_t v) {
+  float z = row[v];
+  if constexpr (kBias) z += __bfloat162float(bias[v]);
+  return z;
+}
+
+__device__ inline void store8(__nv_bfloat16* out, const float v[8]) {
+  uint4 raw;
+  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(out) = raw;
+}
+
+// ---- block reductions (warp shuffles, then one value per warp through shared memory) ----
+
+__device__ inline m::LogSumExp<float> warp_merge(m::LogSumExp<float> s) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const m::LogSumExp<float> other{__shfl_xor_sync(0xffffffffu, s.max, offset),
+                                    __shfl_xor_sync(0xffffffffu, s.sum, offset)};
+    s = m::lse_merge(s, other);
+  }
+  return s;
+}
+
+__device__ inline double warp_sum(double x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// Sums `x` over the block; the result is valid in thread 0. Each call in a kernel needs its own `shared`
+// array: there is no barrier after thread 0 reads it.
+__device__ inline double block_sum(double x, double* shared /*[kWarps]*/) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  x = warp_sum(x);
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  double total = 0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kWarps; ++w) total += shared[w];
+  return total;
+}
+
+// ---- pass 1: row statistics ----
+// One block per row, one read of the row: each thread folds its columns into an online (max, sum of exp)
+// state and a double sum of the logits; warps merge by shuffles, the block through shared memory.
+template <bool kBias>
+__global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, float* lse, float* z_target,
+                                                               double* rowsum) {
+  const std::int64_t local = blockIdx.x, r = a.row_begin + local;
+  const float* row = a.logits + local * a.ld_logits;
+  const std::int64_t V8 = a.V / 8 * 8;
+
+  m::LogSumExp<float> state = m::lse_empty<float>();
+  double sum = 0;
+  for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < V8; v += kRowThreads * 8) {
+    float z[8];
+    load8<kBias>(row, a.bias, v, z);
+    float partial = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      state = m::lse_add(state, z[i]);
+      partial += z[i];
+    }
+    sum += partial;
+  }
+  for (std::int64_t v = V8 + threadIdx.x; v < a.V; v += kRowThreads) {
+    const float z = load1<kBias>(row, a.bias, v);
+    state = m::lse_add(state, z);
+    sum += z;
+  }
+
+  __shared__ float shared_max[kWarps], shared_sum[kWarps];
+  __shared__ double shared_total[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  state = warp_merge(state);
+  sum = warp_sum(sum);
+  if (lane == 0) {
+    shared_max[warp] = state.max;
+    shared_sum[warp] = state.sum;
+    shared_total[warp] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    m::LogSumExp<float> total = m::lse_empty<float>();
+    double total_sum = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      total = m::lse_merge(total, m::LogSumExp<float>{shared_max[w], shared_sum[w]});
+      total_sum += shared_total[w];
+    }
+    const std::int64_t t = a.target[r];
+    lse[r] = m::lse_value(total);
+    z_target[r] = t != a.ignore_index ? load1<kBias>(row, a.bias, t) : 0.0f;
+    rowsum[r] = total_sum;
+  }
+}
+
+// ---- per pair ----
+// One block per pair: the two sequences' sums of m l (double), then thread 0 does the pair's scalar math.
+__global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, std::int64_t pair_begin,
+                                                               const std::int64_t* target, const float* lse,
+                                                               const float* z_target, const std::int64_t* n,
+                                                               double* avg, double* avg_grad) {
+  const std::int64_t i = pair_begin + blockIdx.x, chosen = i, rejected = p.P + i;
+  double chosen_sum = 0, rejected_sum = 0;
+  for (std::int64_t t = threadIdx.x; t < p.T; t += kRowThreads) {
+    const std::int64_t rc = chosen * p.T + t, rr = rejected * p.T + t;
+    if (target[rc] != p.ignore_index) chosen_sum += double(z_target[rc]) - double(lse[rc]);
+    if (target[rr] != p.ignore_index) rejected_sum += double(z_target[rr]) - double(lse[rr]);
+  }
+  __shared__ double shared_c[kWarps], shared_r[kWarps];
+  chosen_sum = block_sum(chosen_sum, shared_c);
+  rejected_sum = block_sum(rejected_sum, shared_r);
+  if (threadIdx.x == 0) {
+    const double c = m::sequence_average(chosen_sum, static_cast<long long>(n[chosen]));
+    const double r = m::sequence_average(rejected_sum, static_cast<long long>(n[rejected]));
+    const m::PairTerm<double> term = m::pair_term(c, r, p.beta, p.gamma, p.label_smoothing);
+    avg[chosen] = c;
+    avg[rejected] = r;
+    avg_grad[chosen] = m::avg_gradient(term.dterm, p.beta, static_cast<long long>(p.P), true);
+    avg_grad[rejected] = m::avg_gradient(term.dterm, p.beta, static_cast<long long>(p.P), false);
+  }
+}
+
+// ---- pass 2: dz ----
+// One block per row, one read of the logits row and one write of the bf16 dz row (16 bytes per access).
+// The target column is written as 0: its value, k (1 - p_target), would lose its small part in bf16 next to
+// the large softmax terms, so it travels separately in fp32 (target_coef).
+template <bool kBias>
+__global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, CoefficientParams c, const float* lse,
+                                                        const float* z_target, __nv_bfloat16* dz,
+                                                        std::int64_t ld_dz, float* target_coef) {
+  const std::int64_t local = blockIdx.x, r = a.row_begin + local, b = r / c.T;
+  const float* row = a.logits + local * a.ld_logits;
+  __nv_bfloat16* out = dz + local * ld_dz;
+  const std::int64_t t = a.target[r];
+  const bool completion = t != a.ignore_index;
+  // k in double from the pair math, stored as float: the same steps as fused/forward_outputs.cpp.
+  const float k = static_cast<float>(m::row_coefficient(c.grad_scale, completion, c.avg_grad[b],
+                                                        static_cast<long long>(c.completion_tokens[b]),
+                                                        b < c.P ? c.nll_weight : 0.0));
+  const float row_lse = lse[r];
+  const std::int64_t V8 = a.V / 8 * 8;
+
+  if (k == 0.0f) {  // ignored rows and empty sequences: a zero row, no exponentials
+    const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < V8; v += kRowThreads * 8) store8(out + v, zeros);
+  } else {
+    for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < V8; v += kRowThreads * 8) {
+      float z[8];
+      load8<kBias>(row, a.bias, v, z);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) z[i] = (v + i == t) ? 0.0f : m::softmax_gradient(k, z[i], row_lse);
+      store8(out + v, z);
+    }
+  }
+  for (std::int64_t v = V8 + threadIdx.x; v < ld_dz; v += kRowThreads) {
+    float value = 0.0f;
+    if (v < a.V && v != t && k != 0.0f) value = m::softmax_gradient(k, load1<kBias>(row, a.bias, v), row_lse);
+    out[v] = __float2bfloat16_rn(value);
+  }
+  if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_target[r], row_lse) : 0.0f;
+}
+
+// ---- after the gradient GEMMs ----
+
+// One block per row: grad_x = bf16(gemm + c W[target]); 16-byte accesses when H is a multiple of 8.
+template <bool kVector>
+__global__ void __launch_bounds__(kRowThreads) grad_x_finish_kernel(const float* part, std::int64_t row_begin,
+                                                                   std::int64_t H, std::int64_t ld_h,
+                                                                   const __nv_bfloat16* weight,
+                                                                   const std::int64_t* target, const float* coef,
+                                                                   __nv_bfloat16* out) {
+  const std::int64_t local = blockIdx.x, r = row_begin + local;
+  const float c = coef[r];
+  const float* in = part + local * ld_h;
+  __nv_bfloat16* dst = out + r * H;
+  // c is 0 on ignored rows (whose target is not a valid row of W) and wherever k is 0.
+  const __nv_bfloat16* w = c != 0.0f ? weight + target[r] * ld_h : nullptr;
+  if constexpr (kVector) {
+    for (std::int64_t h = std::int64_t(threadIdx.x) * 8; h < H; h += kRowThreads * 8) {
+      const float4 lo = *reinterpret_cast<const float4*>(in + h);
+      const float4 hi = *reinterpret_cast<const float4*>(in + h + 4);
+      float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      if (w) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(w + h);
+        const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 wv = __bfloat1622float2(pairs[i]);
+          v[2 * i] += c * wv.x;
+          v[2 * i + 1] += c * wv.y;
+        }
+      }
+      store8(dst + h, v);
+    }
+  } else {
+    for (std::int64_t h = threadIdx.x; h < H; h += kRowThreads) {
+      float v = in[h];
+      if (w) v += c * __bfloat162float(w[h]);
+      dst[h] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+// One block per row with a nonzero target coefficient: its H fp32 atomics into grad_weight[target].
+__global__ void __launch_bounds__(kRowThreads) target_scatter_kernel(const __nv_bfloat16* x, std::int64_t row_begin,
+                                                                    std::int64_t H, std::int64_t ld_h,
+                                                                    const std::int64_t* target, const float* coef,
+                                                                    float* grad_weight, float* grad_bias) {
+  const std::int64_t r = row_begin + blockIdx.x;
+  const float c = coef[r];
+  if (c == 0.0f) return;
+  const std::int64_t t = target[r];
+  const __nv_bfloat16* xr = x + r * ld_h;
+  float* gw = grad_weight + t * ld_h;
+  for (std::int64_t h = threadIdx.x; h < H; h += kRowThreads) atomicAdd(gw + h, c * __bfloat162float(xr[h]));
+  if (grad_bias != nullptr && threadIdx.x == 0) atomicAdd(grad_bias + t, c);
+}
+
+// Column sums of a [rows, ld] bf16 block: thread = column, blockIdx.y = a slab of kSlabRows rows; one atomic
+// per column and slab. Coalesced: a warp reads 32 consecutive columns of one row.
+constexpr int kSlabRows = 128;
+__global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const __nv_bfloat16* dz, std::int64_t ld,
+                                                                      std::int64_t rows, std::int64_t V,
+                                                                      float* grad_bias) {
+  const std::int64_t v = std::int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
+  if (v >= V) return;
+  const std::int64_t r0 = std::int64_t(blockIdx.y) * kSlabRows;
+  const std::int64_t r1 = r0 + kSlabRows < rows ? r0 + kSlabRows : rows;
+  float sum = 0;
+  for (std::int64_t r = r0; r < r1; ++r) sum += __bfloat162float(dz[r * ld + v]);
+  atomicAdd(grad_bias + v, sum);
+}
+
+template <bool kVector>
+__global__ void __launch_bounds__(kRowThreads) round_to_bf16_kernel(const float* in, std::int64_t ld_in,
+                                                                   std::int64_t cols, __nv_bfloat16* out) {
+  const std::int64_t r = blockIdx.x;
+  const float* src = in + r * ld_in;
+  __nv_bfloat16* dst = out + r * cols;
+  if constexpr (kVector) {
+    for (std::int64_t c = std::int64_t(threadIdx.x) * 8; c < cols; c += kRowThreads * 8) {
+      const float4 lo = *reinterpret_cast<const float4*>(src + c);
+      const float4 hi = *reinterpret_cast<const float4*>(src + c + 4);
+      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      store8(dst + c, v);
+    }
+  } else {
+    for (std::int64_t c = threadIdx.x; c < cols; c += kRowThreads) dst[c] = __float2bfloat16_rn(src[c]);
+  }
+}
+
+// Grids are one block per row; CUDA allows 2^31 - 1 blocks in x.
+unsigned grid_rows(std::int64_t rows) {
+  if (rows > 2147483647) throw CudaError("cuda backend: chunk of " + std::to_string(rows) + " rows exceeds the grid");
+  return static_cast<unsigned>(rows);
+}
+
+}  // namespace
+
+void launch_row_stats(const LogitRows& a, float* lse, float* z_target, double* rowsum, cudaStream_t stream) {
+  if (a.rows == 0) return;
+  if (a.bias)
+    row_stats_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, lse, z_target, rowsum);
+  else
+    row_stats_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, lse, z_target, rowsum);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_pair_math(const PairParams& p, std::int64_t pair_begin, std::int64_t pair_end,
+                      const std::int64_t* target, const float* lse, const float* z_target,
+                      const std::int64_t* completion_tokens, double* avg, double* avg_grad, cudaStream_t stream) {
+  if (pair_end <= pair_begin) return;
+  pair_math_kernel<<<grid_rows(pair_end - pair_begin), kRowThreads, 0, stream>>>(
+      p, pair_begin, target, lse, z_target, completion_tokens, avg, avg_grad);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dz(const LogitRows& a, const CoefficientParams& c, const float* lse, const float* z_target,
+               __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t stream) {
+  if (a.rows == 0) return;
+  if (a.bias)
+    dz_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, lse, z_target, dz, ld_dz, target_coef);
+  else
+    dz_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, lse, z_target, dz, ld_dz, target_coef);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_grad_x_finish(const float* part, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
+                          std::int64_t ld_h, const __nv_bfloat16* weight, const std::int64_t* target,
+                          const float* target_coef, __nv_bfloat16* out, cudaStream_t stream) {
+  if (rows == 0) return;
+  if (H % 8 == 0)  // then every output row starts 16-byte aligned
+    grad_x_finish_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(part, row_begin, H, ld_h, weight,
+                                                                             target, target_coef, out);
+  else
+    grad_x_finish_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(part, row_begin, H, ld_h, weight,
+                                                                              target, target_coef, out);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
+                           std::int64_t ld_h, const std::int64_t* target, const float* target_coef,
+                           float* grad_weight, float* grad_bias, cudaStream_t stream) {
+  if (rows == 0) return;
+  target_scatter_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(x, row_begin, H, ld_h, target, target_coef,
+                                                                     grad_weight, grad_bias);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, std::int64_t rows, std::int64_t V,
+                             float* grad_bias, cudaStream_t stream) {
+  if (rows == 0 || V == 0) return;
+  const dim3 grid(static_cast<unsigned>((V + kRowThreads - 1) / kRowThreads),
+                  static_cast<unsigned>((rows + kSlabRows - 1) / kSlabRows));
+  bias_column_sums_kernel<<<grid, kRowThreads, 0, stream>>>(dz, ld_dz, rows, V, grad_bias);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_round_to_bf16(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols,
+                          __nv_bfloat16* out, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  if (cols % 8 == 0)
+    round_to_bf16_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
+  else
+    round_to_bf16_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace simpo::fused::cuda

@@ -1,0 +1,72 @@
+// The row kernels of the fused algorithm (everything but the GEMMs). Each works on one chunk part: `rows`
+// consecutive token rows starting at global row `row_begin`, whose fp32 logits sit in a [rows, ld_logits]
+// buffer. Per-row results go to [N] arrays indexed by global row, per-sequence ones to [B] arrays, so the
+// three_pass and two_pass schedules share every kernel. All launches are asynchronous on `stream`.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace simpo::fused::cuda {
+
+// Where a chunk part's logits are and how to read its rows.
+struct LogitRows {
+  const float* logits;        // [rows, ld_logits], ld_logits a multiple of 8 (16-byte aligned rows)
+  std::int64_t ld_logits;
+  std::int64_t rows;
+  std::int64_t row_begin;     // global row of logits row 0
+  std::int64_t V;
+  const __nv_bfloat16* bias;  // [V] or nullptr; added to every logit as it is read
+  const std::int64_t* target; // [N] (global rows)
+  std::int64_t ignore_index;
+};
+
+// Pass 1: lse[r], z_target[r] (0 on ignored rows) and rowsum[r] = sum_v z (double) for the part's rows.
+void launch_row_stats(const LogitRows&, float* lse, float* z_target, double* rowsum, cudaStream_t);
+
+// Pair math for pairs [pair_begin, pair_end): avg[b] and dL/davg[b] (avg_grad) for both sequences of each pair,
+// in double from the fp32 row stats, exactly the formulas of fused/forward_outputs.cpp.
+struct PairParams {
+  std::int64_t T, P;
+  std::int64_t ignore_index;
+  double beta, gamma, label_smoothing;
+};
+void launch_pair_math(const PairParams&, std::int64_t pair_begin, std::int64_t pair_end, const std::int64_t* target,
+                      const float* lse, const float* z_target, const std::int64_t* completion_tokens, double* avg,
+                      double* avg_grad, cudaStream_t);
+
+// Pass 2: dz rows. D[r, v] = bf16(-k softmax_v) off the target column, 0 at it and in the padding columns
+// [V, ld_dz); target_coef[r] = k (1 - p_target) in fp32, applied outside the GEMMs. k from row_coefficient.
+struct CoefficientParams {
+  std::int64_t T, P;
+  double grad_scale;
+  double nll_weight;  // alpha / N_c on chosen rows (0 when the NLL term is off)
+  const double* avg_grad;                 // [B]
+  const std::int64_t* completion_tokens;  // [B]
+};
+void launch_dz(const LogitRows&, const CoefficientParams&, const float* lse, const float* z_target, __nv_bfloat16* dz,
+               std::int64_t ld_dz, float* target_coef, cudaStream_t);
+
+// grad_x rows = bf16(GEMM result + target_coef[r] * W[target[r]]): the exact target term added in fp32, then
+// one rounding. grad_x_part is [rows, ld_h] fp32; grad_x_out the [N, H] bf16 output.
+void launch_grad_x_finish(const float* grad_x_part, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
+                          std::int64_t ld_h, const __nv_bfloat16* weight, const std::int64_t* target,
+                          const float* target_coef, __nv_bfloat16* grad_x_out, cudaStream_t);
+
+// The target term of the weight and bias gradients: grad_weight[target[r]] += c[r] x[r], grad_bias[target[r]]
+// += c[r] (grad_bias may be null), fp32 atomics (rows sharing a target add into one row).
+void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
+                           std::int64_t ld_h, const std::int64_t* target, const float* target_coef, float* grad_weight,
+                           float* grad_bias, cudaStream_t);
+
+// grad_bias[v] += sum over the part's rows of D[r, v] (fp32 sums of the bf16 values the GEMMs also use).
+void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, std::int64_t rows, std::int64_t V,
+                             float* grad_bias, cudaStream_t);
+
+// out[r, c] = bf16(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] bf16 one.
+void launch_round_to_bf16(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols,
+                          __nv_bfloat16* out, cudaStream_t);
+
+}  // namespace simpo::fused::cuda

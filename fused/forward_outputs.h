@@ -1,0 +1,45 @@
+// Host code both fused backends share for everything after the row statistics: the per-sequence averages, the
+// pair terms, the scalars of SPEC's forward outputs and the per-row gradient coefficient k. Computing these
+// in one place (in double; they are O(N) work) makes the cpu and cuda backends' scalars identical given the
+// same row statistics, and keeps the mutants of the pair math in one file.
+#pragma once
+
+#include "fused/fused.h"
+#include "problem/problem.h"
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace simpo::fused {
+
+// What the forward needs from the targets alone, known before any GEMM.
+struct Targets {
+  std::vector<std::int64_t> column;  // [N] the logit row r gathers (its target); -1: not a completion token
+  std::vector<std::int64_t> n;       // [B] completion tokens of sequence b (the average's length)
+  std::int64_t n_chosen = 0;         // N_c: completion tokens of the chosen sequences
+};
+// Mutant::sum_includes_ignored gives ignored rows column 0 (counted in sums, not in n);
+// Mutant::length_counts_ignored sets n[b] = T. Other mutants do not change the targets.
+Targets read_targets(const Problem&, Mutant = Mutant::none);
+
+// The per-row statistics the backends compute from each chunk's logits; all the forward needs of them.
+struct RowStats {
+  std::vector<float> lse;       // [N] log sum_v exp(z[r, v]), fp32 with the max shift
+  std::vector<float> z_target;  // [N] z[r, column[r]] (0 where column = -1)
+  std::vector<double> rowsum;   // [N] sum_v z[r, v] (for the *_logits_mean outputs)
+  RowStats() = default;
+  explicit RowStats(std::int64_t N) : lse(N, 0.f), z_target(N, 0.f), rowsum(N, 0.0) {}
+};
+
+// k[r] for every row of the pairs [pair_begin, pair_end) (chosen and rejected sequences); other entries of k
+// are left as they are. Needs the row stats of exactly those rows. k is 0 on ignored rows and empty sequences.
+// Mutant::pairs_interleaved pairs sequences (2i, 2i+1), so its caller passes all pairs at once.
+void row_coefficients(const Problem&, const Targets&, const RowStats&, std::int64_t pair_begin,
+                      std::int64_t pair_end, Mutant, std::span<float> k);
+
+// SPEC's forward outputs from all N rows' stats: loss, nll_loss, chosen/rejected_logps, *_logits_mean,
+// *_rewards, every one F32.
+TensorMap forward_outputs(const Problem&, const Targets&, const RowStats&, Mutant = Mutant::none);
+
+}  // namespace simpo::fused

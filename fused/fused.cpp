@@ -1,0 +1,50 @@
+// The fused entry point: validation, backend choice, dispatch. The algorithm itself is in cpu/ and cuda/.
+#include "fused/fused.h"
+
+#include "fused/cpu/cpu_backend.h"
+#if SIMPO_HAVE_CUDA
+#include "fused/cuda/cuda_backend.h"
+#endif
+
+namespace simpo::fused {
+
+bool cuda_available() {
+#if SIMPO_HAVE_CUDA
+  // Asked once: probing the driver costs milliseconds and the answer does not change within a process.
+  static const bool present = cuda::device_present();
+  return present;
+#else
+  return false;
+#endif
+}
+
+Backend resolve(Backend backend) {
+  switch (backend) {
+    case Backend::automatic: return cuda_available() ? Backend::cuda : Backend::cpu;
+    case Backend::cpu: return Backend::cpu;
+    case Backend::cuda:
+      if (!cuda_available())
+#if SIMPO_HAVE_CUDA
+        throw InputError("the cuda backend was asked for, but no CUDA device is present");
+#else
+        throw InputError("the cuda backend was asked for, but this build has no CUDA support (no nvcc at configure time)");
+#endif
+      return Backend::cuda;
+  }
+  throw InputError("unknown backend value " + std::to_string(static_cast<int>(backend)));
+}
+
+TensorMap compute(const Problem& problem, const Options& options) {
+  validate(problem, {.scan_values = options.validate});
+  switch (resolve(options.backend)) {
+    case Backend::cuda:
+#if SIMPO_HAVE_CUDA
+      return cuda::compute(problem, options);
+#endif
+    case Backend::cpu:
+    case Backend::automatic: break;
+  }
+  return cpu::compute(problem, options);
+}
+
+}  // namespace simpo::fused

@@ -1,0 +1,93 @@
+// How the fused tests and the accuracy table measure a fused output against the float64 reference:
+// relative Frobenius error, and the "bf16 floor" (the error of the exact result merely rounded to bf16, which
+// no bf16 output can beat). The accuracy bar of the issue is stated in these terms.
+#pragma once
+
+#include "problem/tensor.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace simpo::fused::testing {
+
+// ||candidate - exact|| / ||exact|| (Frobenius), both read as double; infinity on a NaN/Inf in the candidate.
+// An exact tensor of all zeros gives the absolute norm of the candidate instead (0 when both are zero).
+inline double relative_error(const Tensor& candidate, const Tensor& exact) {
+  if (candidate.numel() != exact.numel())
+    throw std::logic_error("relative_error: " + shape_string(candidate.shape) + " vs " + shape_string(exact.shape));
+  double diff = 0, norm = 0;
+  for (std::int64_t i = 0; i < exact.numel(); ++i) {
+    const double c = candidate.value(i), e = exact.value(i);
+    if (!std::isfinite(c)) return INFINITY;
+    diff += (c - e) * (c - e);
+    norm += e * e;
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+// The bf16 floor: relative_error(bf16(exact), exact).
+inline double bf16_floor(const Tensor& exact) {
+  double diff = 0, norm = 0;
+  for (std::int64_t i = 0; i < exact.numel(); ++i) {
+    const double e = exact.value(i);
+    const double rounded = static_cast<double>(static_cast<float>(bf16(static_cast<float>(e))));
+    diff += (rounded - e) * (rounded - e);
+    norm += e * e;
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : 0.0;
+}
+
+// The issue's bar: every gradient within 1.5x the bf16 floor; the rest of the checks are in the tests.
+inline constexpr double gradient_floor_ratio_bar = 1.5;
+// loss, nll_loss and the logps within 5e-7 relative: fp32 row statistics (lse of a row of V fp32 logits is
+// good to a few fp32 ulps, ~1e-7 relative) averaged over many tokens, then reduced in double.
+inline constexpr double scalar_relative_bar = 5e-7;
+
+}  // namespace simpo::fused::testing
+
+#include "problem/problem.h"
+
+#include <vector>
+
+namespace simpo::fused::testing {
+
+// Every way `fused` misses the bar against `reference` (empty: it meets it). logits_mean_tolerance is the
+// absolute tolerance of the two *_logits_mean outputs (a mean near zero has no useful relative error).
+inline std::vector<std::string> bar_violations(const TensorMap& fused, const TensorMap& reference,
+                                               double logits_mean_tolerance) {
+  std::vector<std::string> out;
+  for (const auto& [name, exact] : reference) {
+    const auto it = fused.find(name);
+    if (it == fused.end()) {
+      out.push_back(name + ": missing");
+      continue;
+    }
+    const Tensor& candidate = it->second;
+    if (candidate.shape != exact.shape) {
+      out.push_back(name + ": shape " + shape_string(candidate.shape) + ", expected " + shape_string(exact.shape));
+      continue;
+    }
+    if (is_gradient_output(name)) {
+      const double error = relative_error(candidate, exact), floor = bf16_floor(exact);
+      if (!(error <= gradient_floor_ratio_bar * floor))
+        out.push_back(name + ": relative error " + std::to_string(error) + " > " +
+                      std::to_string(gradient_floor_ratio_bar) + " x bf16 floor " + std::to_string(floor));
+      continue;
+    }
+    const bool is_mean = name == output_name::chosen_logits_mean || name == output_name::rejected_logits_mean;
+    for (std::int64_t i = 0; i < exact.numel(); ++i) {
+      const double c = candidate.value(i), e = exact.value(i);
+      const double error = std::abs(c - e);
+      const double allowed = is_mean ? logits_mean_tolerance : scalar_relative_bar * std::abs(e);
+      if (!(error <= allowed)) {
+        out.push_back(name + "[" + std::to_string(i) + "]: " + std::to_string(c) + " vs exact " + std::to_string(e) +
+                      " (error " + std::to_string(error) + " > " + std::to_string(allowed) + ")");
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace simpo::fused::testing

@@ -1,0 +1,328 @@
+// The float64 reference: SPEC's function computed as directly as bounded memory allows.
+//
+// Idea: walk the pairs in blocks. For a block, compute its logits with one GEMM per segment (chosen rows, then
+// rejected rows), reduce each row to three numbers (log-sum-exp, token log-prob, sum of logits), and from those the
+// pair's averages, preference term and the per-row factor k of SPEC. Then overwrite the logits with
+// dz = k (onehot - softmax) and finish with two more GEMMs: grad_x = dz W and grad_W += dz^T x. A pair has to be
+// complete before any of its gradients is known, so when a pair does not fit the chunk, its logits are computed
+// twice (statistics pass, then gradient pass) instead of being kept.
+//
+// Nothing here shares code with the fused backends: an oracle that borrowed their math would inherit their bugs.
+#include "reference/reference.h"
+
+#include "reference/reference_core.h"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace simpo::reference {
+
+namespace {
+
+using RowMajorMatrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MatrixView = Eigen::Map<RowMajorMatrix>;
+using ConstMatrixView = Eigen::Map<const RowMajorMatrix>;
+
+// log sigmoid(s) = min(s, 0) - log1p(exp(-|s|)): the exponent is never positive, so nothing overflows, and log1p
+// keeps the tiny values log sigmoid takes at large positive s.
+double log_sigmoid(double s) { return std::min(s, 0.0) - std::log1p(std::exp(-std::abs(s))); }
+
+// sigmoid(s) with a non-positive exponent on both branches.
+double sigmoid(double s) {
+  if (s >= 0) return 1.0 / (1.0 + std::exp(-s));
+  const double e = std::exp(s);
+  return e / (1.0 + e);
+}
+
+// Default chunk sizes (Options::chunk_rows = 0): one pair's logits are kept whole up to this size, so the
+// published workload (one pair = 2 x 1024 rows x 128256 x 8 bytes = 2.1 GB) runs in three GEMMs...
+constexpr std::int64_t whole_pair_bytes = std::int64_t{4} << 30;
+// ...and a pair too large for that is walked in pieces of about this size.
+constexpr std::int64_t piece_bytes = std::int64_t{256} << 20;
+
+// How the rows are walked. A block is the pairs [first, first + pairs); its rows form two contiguous segments of
+// x: chosen rows [first T, (first + pairs) T) and rejected rows [(P + first) T, ...). A piece is a run of rows
+// of one segment that goes through the GEMMs together; it lives at row `slot` of the logits buffer.
+struct Schedule {
+  bool keep_logits;             // every piece of a block in the buffer at once: 3 GEMMs, no recomputation
+  std::int64_t pairs_per_block;
+  std::int64_t piece_rows;
+  std::int64_t buffer_rows;
+};
+
+Schedule plan(const Shape& s, const Options& options) {
+  const std::int64_t row_bytes = s.V * static_cast<std::int64_t>(sizeof(double));
+  std::int64_t rows = options.chunk_rows;
+  if (rows <= 0) {
+    rows = std::max<std::int64_t>(1, piece_bytes / row_bytes);
+    if (options.gradients && 2 * s.T * row_bytes <= whole_pair_bytes) rows = std::max(rows, 2 * s.T);
+  }
+  if (rows >= 2 * s.T) {
+    const std::int64_t pairs = std::min(s.P(), rows / (2 * s.T));
+    return {true, pairs, pairs * s.T, 2 * pairs * s.T};
+  }
+  const std::int64_t piece = std::min(rows, s.T);
+  return {false, 1, piece, piece};
+}
+
+struct Piece {
+  std::int64_t row;   // first global token row (b * T + t)
+  std::int64_t rows;
+  std::int64_t slot;  // first row in the logits buffer
+};
+
+std::vector<Piece> pieces_of_block(const Shape& s, const Schedule& schedule, std::int64_t first, std::int64_t pairs) {
+  std::vector<Piece> pieces;
+  const std::int64_t segment_rows = pairs * s.T;
+  for (const std::int64_t segment_start : {first * s.T, (s.P() + first) * s.T}) {
+    if (schedule.keep_logits) {
+      pieces.push_back({segment_start, segment_rows, static_cast<std::int64_t>(pieces.size()) * segment_rows});
+      continue;
+    }
+    for (std::int64_t r = 0; r < segment_rows; r += schedule.piece_rows)
+      pieces.push_back({segment_start + r, std::min(schedule.piece_rows, segment_rows - r), 0});
+  }
+  return pieces;
+}
+
+void check_size(const char* name, std::size_t have, std::int64_t want) {
+  if (static_cast<std::int64_t>(have) != want)
+    throw InputError(std::string("reference: ") + name + " holds " + std::to_string(have) + " values, the shape needs " +
+                     std::to_string(want));
+}
+
+}  // namespace
+
+std::vector<double> widen(std::span<const bf16> values) {
+  std::vector<double> out(values.size());
+  const auto n = static_cast<std::int64_t>(values.size());
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(values[i]));
+  return out;
+}
+
+ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, GradientOutputs gradients) {
+  const Shape& s = in.shape;
+  const Hyperparameters& hp = in.hp;
+  const std::int64_t T = s.T, H = s.H, V = s.V, P = s.P(), N = s.N();
+  const bool has_bias = !in.bias.empty();
+  check_size("x", in.x.size(), N * H);
+  check_size("weight", in.weight.size(), V * H);
+  if (has_bias) check_size("bias", in.bias.size(), V);
+  check_size("target", in.target.size(), N);
+  if (options.gradients) {
+    check_size("grad_x", gradients.x.size(), N * H);
+    check_size("grad_weight", gradients.weight.size(), V * H);
+    check_size("grad_bias", gradients.bias.size(), has_bias ? V : 0);
+  }
+
+  const ConstMatrixView x(in.x.data(), N, H);
+  const ConstMatrixView weight(in.weight.data(), V, H);
+  auto completion = [&](std::int64_t row) { return in.target[row] != hp.ignore_index; };
+
+  // What the targets alone decide: tokens per sequence n[b] and the NLL's 1/N_c (0 without an NLL term, and when
+  // N_c = 0, which validation allows only with alpha = 0).
+  std::vector<std::int64_t> tokens(static_cast<std::size_t>(s.B), 0);
+  for (std::int64_t row = 0; row < N; ++row) tokens[row / T] += completion(row);
+  std::int64_t chosen_tokens = 0;
+  for (std::int64_t b = 0; b < P; ++b) chosen_tokens += tokens[b];
+  const double nll_weight = hp.compute_nll_loss && chosen_tokens > 0 ? 1.0 / static_cast<double>(chosen_tokens) : 0.0;
+
+  // Per row: the three numbers the logits reduce to (lse, the token log-prob l, the sum of logits), and k, the
+  // row's factor of dz.
+  std::vector<double> lse(N), logprob(N, 0.0), logit_sum(N), k(N, 0.0);
+  std::vector<double> average(static_cast<std::size_t>(s.B), 0.0);
+
+  const Schedule schedule = plan(s, options);
+  RowMajorMatrix logits(schedule.buffer_rows, V);
+
+  // Without gradients these views are empty and never touched.
+  MatrixView grad_x(gradients.x.data(), options.gradients ? N : 0, H);
+  MatrixView grad_weight(gradients.weight.data(), options.gradients ? V : 0, H);
+  grad_weight.setZero();
+  std::fill(gradients.bias.begin(), gradients.bias.end(), 0.0);
+
+  // Progress counts row-GEMMs: every row goes through the logits GEMM, with gradients two more, and a third when
+  // its logits are recomputed.
+  const double total_work = static_cast<double>(N) * (options.gradients ? (schedule.keep_logits ? 3 : 4) : 1);
+  double work_done = 0;
+  auto advance = [&](std::int64_t rows, int gemms) {
+    work_done += static_cast<double>(rows) * gemms;
+    if (options.progress) options.progress(std::min(1.0, work_done / total_work));
+  };
+
+  auto compute_logits = [&](const Piece& piece) {
+    auto z = logits.middleRows(piece.slot, piece.rows);
+    z.noalias() = x.middleRows(piece.row, piece.rows) * weight.transpose();
+    if (has_bias) {
+      const Eigen::Map<const Eigen::RowVectorXd> bias(in.bias.data(), V);
+#pragma omp parallel for schedule(static)
+      for (std::int64_t r = 0; r < piece.rows; ++r) z.row(r) += bias;
+    }
+  };
+
+  // lse = max + log1p(sum of exp(z - max) over every entry but the first maximum): exp never overflows whatever
+  // the logits' size, and a token log-prob z_t - lse = (z_t - max) - log1p(others) keeps its digits when the
+  // target dominates the row (then it is -others, tiny, where max - lse would round to 0).
+  auto reduce_rows = [&](const Piece& piece) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < piece.rows; ++r) {
+      const std::int64_t row = piece.row + r;
+      const double* z = &logits(piece.slot + r, 0);
+      std::int64_t argmax = 0;
+      double sum_z = 0;
+      for (std::int64_t v = 0; v < V; ++v) {
+        if (z[v] > z[argmax]) argmax = v;
+        sum_z += z[v];
+      }
+      const double max = z[argmax];
+      double others = 0;
+      for (std::int64_t v = 0; v < argmax; ++v) others += std::exp(z[v] - max);
+      for (std::int64_t v = argmax + 1; v < V; ++v) others += std::exp(z[v] - max);
+      const double log_sum = std::log1p(others);
+      lse[row] = max + log_sum;
+      logit_sum[row] = sum_z;
+      if (completion(row)) logprob[row] = (z[in.target[row]] - max) - log_sum;
+    }
+  };
+
+  // dz = k (onehot - softmax), in place. The target entry is k (1 - p) = -k expm1(l): exact even where p rounds
+  // to 1 (large logits), where 1 - p would lose every digit.
+  auto logit_gradient = [&](const Piece& piece) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < piece.rows; ++r) {
+      const std::int64_t row = piece.row + r;
+      double* z = &logits(piece.slot + r, 0);
+      const double kr = k[row];
+      if (kr == 0) {  // ignored token, or a sequence with no gradient: its grad_x row is exactly zero
+        std::fill(z, z + V, 0.0);
+        continue;
+      }
+      const double lse_r = lse[row];
+      for (std::int64_t v = 0; v < V; ++v) z[v] = -kr * std::exp(z[v] - lse_r);
+      z[in.target[row]] = -kr * std::expm1(logprob[row]);
+    }
+  };
+
+  auto accumulate_gradients = [&](const Piece& piece) {
+    const auto dz = logits.middleRows(piece.slot, piece.rows);
+    grad_x.middleRows(piece.row, piece.rows).noalias() = dz * weight;
+    grad_weight.noalias() += dz.transpose() * x.middleRows(piece.row, piece.rows);
+    if (has_bias) {
+      // Column sums of a row-major block: each thread owns a band of columns and walks the rows in order.
+      constexpr std::int64_t band = 4096;
+      double* grad_bias = gradients.bias.data();
+#pragma omp parallel for schedule(static)
+      for (std::int64_t v0 = 0; v0 < V; v0 += band) {
+        const std::int64_t v1 = std::min(V, v0 + band);
+        for (std::int64_t r = 0; r < piece.rows; ++r) {
+          const double* z = &logits(piece.slot + r, 0);
+          for (std::int64_t v = v0; v < v1; ++v) grad_bias[v] += z[v];
+        }
+      }
+    }
+  };
+
+  double preference_sum = 0, chosen_logprob_sum = 0;
+  for (std::int64_t first = 0; first < P; first += schedule.pairs_per_block) {
+    const std::int64_t pairs = std::min(schedule.pairs_per_block, P - first);
+    const std::vector<Piece> pieces = pieces_of_block(s, schedule, first, pairs);
+    for (const Piece& piece : pieces) {
+      compute_logits(piece);
+      reduce_rows(piece);
+      advance(piece.rows, 1);
+    }
+
+    for (std::int64_t i = first; i < first + pairs; ++i) {
+      const std::int64_t chosen = i, rejected = P + i;
+      for (const std::int64_t b : {chosen, rejected}) {
+        double logprob_sum = 0;
+        for (std::int64_t row = b * T; row < (b + 1) * T; ++row)
+          if (completion(row)) logprob_sum += logprob[row];
+        // n[b] = 0 reaches here only with empty_sequence = zero: the average is 0 and carries no gradient.
+        average[b] = tokens[b] > 0 ? logprob_sum / static_cast<double>(tokens[b]) : 0.0;
+        if (b == chosen) chosen_logprob_sum += logprob_sum;
+      }
+      const double ls = hp.label_smoothing;
+      const double margin = hp.beta * (average[chosen] - average[rejected]) - hp.gamma;  // s_i
+      preference_sum += -(1 - ls) * log_sigmoid(margin) - ls * log_sigmoid(-margin);
+      const double g = (-(1 - ls) * sigmoid(-margin) + ls * sigmoid(margin)) / static_cast<double>(P);
+      // k = grad_scale m (dL/davg[b] / n[b] - [b < P] alpha / N_c), with dL/davg = +beta g (chosen), -beta g.
+      const double k_chosen =
+          tokens[chosen] > 0 ? hp.grad_scale * (hp.beta * g / static_cast<double>(tokens[chosen]) - hp.alpha * nll_weight) : 0.0;
+      const double k_rejected = tokens[rejected] > 0 ? hp.grad_scale * (-hp.beta * g / static_cast<double>(tokens[rejected])) : 0.0;
+      for (std::int64_t t = 0; t < T; ++t) {
+        k[chosen * T + t] = completion(chosen * T + t) ? k_chosen : 0.0;
+        k[rejected * T + t] = completion(rejected * T + t) ? k_rejected : 0.0;
+      }
+    }
+
+    if (!options.gradients) continue;
+    for (const Piece& piece : pieces) {
+      if (!schedule.keep_logits) {
+        compute_logits(piece);
+        advance(piece.rows, 1);
+      }
+      logit_gradient(piece);
+      accumulate_gradients(piece);
+      advance(piece.rows, 2);
+    }
+  }
+
+  ForwardOutputs out;
+  out.nll_loss = -chosen_logprob_sum * nll_weight;
+  out.loss = hp.alpha * out.nll_loss + preference_sum / static_cast<double>(P);
+  double chosen_logits = 0, rejected_logits = 0;
+  for (std::int64_t row = 0; row < P * T; ++row) chosen_logits += logit_sum[row];
+  for (std::int64_t row = P * T; row < N; ++row) rejected_logits += logit_sum[row];
+  const double logits_per_side = static_cast<double>(P) * static_cast<double>(T) * static_cast<double>(V);
+  out.chosen_logits_mean = chosen_logits / logits_per_side;
+  out.rejected_logits_mean = rejected_logits / logits_per_side;
+  out.chosen_logps.assign(average.begin(), average.begin() + P);
+  out.rejected_logps.assign(average.begin() + P, average.end());
+  return out;
+}
+
+TensorMap compute(const Problem& problem, const Options& options) {
+  validate(problem);
+  const Shape& s = problem.shape;
+  const std::vector<double> x = widen(problem.x);
+  const std::vector<double> weight = widen(problem.weight);
+  const std::vector<double> bias = problem.bias ? widen(*problem.bias) : std::vector<double>{};
+
+  TensorMap out;
+  GradientOutputs gradients;
+  if (options.gradients) {
+    // The gradients are written straight into the output tensors: grad_weight alone is V*H*8 bytes (4.2 GB for
+    // the published workload), too much to copy.
+    auto make = [&](const char* name) -> std::span<double> {
+      Tensor& t = out[name] = Tensor(DType::F64, output_shape(s, name));
+      return t.as<double>();
+    };
+    gradients.x = make(output_name::grad_x);
+    gradients.weight = make(output_name::grad_weight);
+    if (problem.bias) gradients.bias = make(output_name::grad_bias);
+  }
+
+  const ForwardOutputs f = compute_core({s, problem.hp, x, weight, bias, problem.target}, options, gradients);
+
+  auto per_pair = [&](const std::vector<double>& values, double scale) {
+    std::vector<double> scaled(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) scaled[i] = scale * values[i];
+    return Tensor::from<double>({s.P()}, scaled);
+  };
+  out[output_name::loss] = Tensor::scalar(f.loss);
+  out[output_name::nll_loss] = Tensor::scalar(f.nll_loss);
+  out[output_name::chosen_logits_mean] = Tensor::scalar(f.chosen_logits_mean);
+  out[output_name::rejected_logits_mean] = Tensor::scalar(f.rejected_logits_mean);
+  out[output_name::chosen_logps] = per_pair(f.chosen_logps, 1.0);
+  out[output_name::rejected_logps] = per_pair(f.rejected_logps, 1.0);
+  out[output_name::chosen_rewards] = per_pair(f.chosen_logps, problem.hp.beta);
+  out[output_name::rejected_rewards] = per_pair(f.rejected_logps, problem.hp.beta);
+  return out;
+}
+
+}  // namespace simpo::reference

@@ -1,0 +1,403 @@
+#include "verifier/error_model.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+
+namespace simpo::verifier {
+
+namespace {
+
+constexpr double u32 = 0x1.0p-24;
+
+// Safety factor on the probabilistic (sqrt(K) rule) forward-error estimates of the scalar outputs. Higham's
+// rule of thumb says rounding errors of K-term sums grow like sqrt(K) u in practice; the factor covers
+// correlated roundings and the Cauchy-Schwarz slack in logit_bound going the other way. README measures the
+// margin it leaves.
+constexpr double scalar_safety = 4.0;
+
+// Gradients: the candidate's error has three parts, which add in quadrature (they are independent):
+//   its own final rounding to the output dtype          ~ floor (measured on the exact values)
+//   bf16 GEMM operands (dz, as tensor cores need them)  ~ expected_rounding_error(bf16) relative
+//   fp32 accumulation over the reduction length K       ~ sqrt(K) u32 relative
+// frob_bound = gradient_safety * sqrt(floor^2 + op^2) * (1 + small_sample / sqrt(n)) + accumulation_safety *
+// sqrt(K) u32. The small-sample term: with n elements the measured floor and the candidate's own rounding
+// error are each sums of n random terms; their ratio fluctuates by ~1/sqrt(n), and a tensor of 3 elements can
+// have a floor near 0 by chance.
+constexpr double gradient_safety = 1.5;
+constexpr double small_sample = 3.0;
+constexpr double accumulation_safety = 4.0;
+// Elementwise, a gradient element may be off by the rms error the Frobenius bound allows times the largest
+// |Gaussian| among n draws (sqrt(2 ln 2n)), times elementwise_safety for the heavier-than-Gaussian tails of
+// errors in rows that are large (target rows of grad_weight).
+constexpr double elementwise_safety = 4.0;
+
+bool is_per_pair(const std::string& name) {
+  return name == output_name::chosen_logps || name == output_name::rejected_logps ||
+         name == output_name::chosen_rewards || name == output_name::rejected_rewards;
+}
+
+double round_to(DType dtype, double v) {
+  switch (dtype) {
+    case DType::BF16: return static_cast<double>(static_cast<float>(bf16(static_cast<float>(v))));
+    case DType::F32: return static_cast<double>(static_cast<float>(v));
+    default: return v;
+  }
+}
+
+std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape) {
+  if (shape.empty()) return "()";
+  std::vector<std::int64_t> idx(shape.size());
+  for (std::size_t k = shape.size(); k-- > 0;) {
+    idx[k] = i % shape[k];
+    i /= shape[k];
+  }
+  std::string s = "(";
+  for (std::size_t k = 0; k < idx.size(); ++k) s += (k ? ", " : "") + std::to_string(idx[k]);
+  return s + ")";
+}
+
+std::string sci(double v, int digits = 2) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*e", digits, v);
+  return buf;
+}
+
+std::int64_t reduction_length(const Shape& s, const std::string& name) {
+  return name == output_name::grad_x ? s.V : s.N();
+}
+
+}  // namespace
+
+std::string Profile::name() const {
+  switch (kind) {
+    case ProfileKind::strict: return "strict";
+    case ProfileKind::peer: return "peer";
+    case ProfileKind::user: return "user(rtol=" + sci(rtol) + ", atol=" + sci(atol) + ")";
+  }
+  return "?";
+}
+
+Profile strict_profile() { return {}; }
+Profile peer_profile() { return {ProfileKind::peer, 5e-3, 5e-3}; }
+Profile user_profile(double rtol, double atol) {
+  if (!(std::isfinite(rtol) && rtol >= 0 && std::isfinite(atol) && atol >= 0))
+    throw InputError("tolerances must be finite and >= 0 (got rtol = " + sci(rtol) + ", atol = " + sci(atol) + ")");
+  return {ProfileKind::user, rtol, atol};
+}
+Profile profile_from_name(const std::string& name) {
+  if (name == "strict") return strict_profile();
+  if (name == "peer") return peer_profile();
+  throw InputError("unknown profile \"" + name + "\" (strict or peer; --rtol/--atol give user tolerances)");
+}
+
+double unit_roundoff(DType d) {
+  switch (d) {
+    case DType::BF16: return 0x1.0p-8;
+    case DType::F32: return 0x1.0p-24;
+    case DType::F64: return 0x1.0p-53;
+    case DType::I64: return 0;
+  }
+  return 0;
+}
+
+// Round-to-nearest error of x = m 2^e is uniform in [-u 2^e, u 2^e], relative to x: variance (u/m)^2 / 3; for
+// m log-uniform on [1, 2), E[1/m^2] = 3 / (8 ln 2). So rms = u sqrt(1 / (8 ln 2)).
+double expected_rounding_error(DType d) { return unit_roundoff(d) * std::sqrt(1.0 / (8.0 * std::log(2.0))); }
+
+ProblemScales ProblemScales::of(const Problem& p) {
+  ProblemScales s;
+  s.shape = p.shape;
+  s.hp = p.hp;
+  const std::int64_t H = p.shape.H;
+  auto max_row_norm = [H](const std::vector<bf16>& m) {
+    double best = 0;
+    for (std::size_t r = 0; r + static_cast<std::size_t>(H) <= m.size(); r += static_cast<std::size_t>(H)) {
+      double sq = 0;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double v = static_cast<float>(m[r + static_cast<std::size_t>(h)]);
+        sq += v * v;
+      }
+      best = std::max(best, sq);
+    }
+    return std::sqrt(best);
+  };
+  double max_bias = 0;
+  if (p.bias)
+    for (auto b : *p.bias) max_bias = std::max(max_bias, std::fabs(static_cast<double>(static_cast<float>(b))));
+  s.logit_bound = max_row_norm(p.x) * max_row_norm(p.weight) + max_bias;
+  return s;
+}
+
+// Forward error of the fp32 pipeline, per quantity (README "Error model" has the derivation):
+//   each logit: an H-term fp32 dot product of exact bf16 products plus the bias:   e_z   = sqrt(H) u Z
+//   row lse = max + log sum exp(z - max): e_z from the logits it reads, sqrt(V) u from the V-term sum of
+//   terms <= 1, u |lse| <= u (Z + ln V) from the final add:                      e_lse = e_z + u (2 sqrt(V) + Z + ln V)
+//   token log-prob l = z_t - lse:                                                   e_l   = e_z + e_lse
+//   avg (a mean of l), chosen/rejected_logps: e_l; rewards: beta e_l; nll: e_l;
+//   loss = alpha nll + mean of pair terms whose slope in s is <= 1 and s moves by <= 2 beta e_l:
+//                                                                                   e_loss = (alpha + 2 beta) e_l
+//   logits_mean: the mean of fp32 logits (e_z) summed in fp32 (u (sqrt(V) + log2 M) Z for M = P T V terms).
+// Each output also carries its own final rounding: rtol = 2 u(candidate dtype).
+StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name, DType dtype) {
+  const Shape& s = scales.shape;
+  const double Z = scales.logit_bound;
+  const double H = static_cast<double>(s.H), V = static_cast<double>(s.V);
+  const double e_z = std::sqrt(H) * u32 * Z;
+  const double e_lse = e_z + u32 * (2 * std::sqrt(V) + Z + std::log(V));
+  const double e_l = e_z + e_lse;
+  StrictBounds b;
+  b.rtol = 2 * unit_roundoff(dtype);
+  if (name == output_name::loss) {
+    const double alpha = scales.hp.compute_nll_loss ? scales.hp.alpha : 0.0;
+    b.atol = scalar_safety * (alpha + 2 * scales.hp.beta) * e_l;
+  } else if (name == output_name::nll_loss) {
+    b.atol = scalar_safety * e_l;
+  } else if (name == output_name::chosen_logps || name == output_name::rejected_logps) {
+    b.atol = scalar_safety * e_l;
+  } else if (name == output_name::chosen_rewards || name == output_name::rejected_rewards) {
+    b.atol = scalar_safety * scales.hp.beta * e_l;
+  } else if (name == output_name::chosen_logits_mean || name == output_name::rejected_logits_mean) {
+    const double M = static_cast<double>(s.P()) * static_cast<double>(s.T) * V;
+    b.atol = scalar_safety * (e_z + u32 * (std::sqrt(V) + std::log2(M)) * Z);
+  } else {  // gradients: relative to the tensor's own size, filled in by compare
+    b.rtol = unit_roundoff(dtype);
+    b.frob_bound = 0;
+  }
+  return b;
+}
+
+std::string verdict_name(Verdict v) {
+  switch (v) {
+    case Verdict::passed: return "passed";
+    case Verdict::failed: return "FAILED";
+    case Verdict::not_checked: return "not checked";
+  }
+  return "?";
+}
+
+bool Report::passed() const {
+  if (tensors.empty()) return false;
+  for (const auto& t : tensors)
+    if (t.verdict != Verdict::passed) return false;
+  return true;
+}
+
+int Report::count(Verdict v) const {
+  return static_cast<int>(std::count_if(tensors.begin(), tensors.end(), [v](const auto& t) { return t.verdict == v; }));
+}
+
+double Report::worst_margin() const {
+  double worst = 0;
+  for (const auto& t : tensors) worst = std::max(worst, t.margin);
+  return worst;
+}
+
+namespace {
+
+TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
+                            const Tensor& cand, const Profile& profile) {
+  TensorReport r;
+  r.name = name;
+  r.dtype = dtype_name(cand.dtype);
+  r.shape = cand.shape;
+  r.numel = cand.numel();
+  auto fail = [&](std::string why) {
+    r.verdict = Verdict::failed;
+    r.reason = std::move(why);
+    return r;
+  };
+  if (cand.dtype == DType::I64) return fail("dtype I64 is not a floating-point output");
+  if (cand.shape != exact.shape)
+    return fail("shape " + shape_string(cand.shape) + ", expected " + shape_string(exact.shape));
+  if (static_cast<std::int64_t>(cand.bytes.size()) != cand.numel() * static_cast<std::int64_t>(dtype_size(cand.dtype)))
+    return fail("holds " + std::to_string(cand.bytes.size()) + " bytes for shape " + shape_string(cand.shape));
+
+  // Pass 1: norms, floor, the largest error, non-finite values.
+  const std::int64_t n = exact.numel();
+  double sum_exact_sq = 0, sum_err_sq = 0, sum_floor_sq = 0;
+  std::int64_t worst = -1;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double e = exact.value(i), c = cand.value(i);
+    if (!std::isfinite(c) && std::isfinite(e)) {
+      if (r.non_finite++ == 0) {
+        r.max_abs_at = index_string(i, exact.shape);
+        r.reference_at_max = e;
+        r.candidate_at_max = c;
+      }
+      continue;
+    }
+    const double err = std::fabs(c - e);
+    const double fl = round_to(cand.dtype, e) - e;
+    sum_exact_sq += e * e;
+    sum_err_sq += err * err;
+    sum_floor_sq += fl * fl;
+    if (worst < 0 || err > r.max_abs) {
+      r.max_abs = err;
+      worst = i;
+    }
+  }
+  if (r.non_finite > 0)
+    return fail(std::to_string(r.non_finite) + " NaN/Inf where the reference is finite, first at " + r.max_abs_at +
+                " = " + sci(r.candidate_at_max));
+  const double norm = std::sqrt(sum_exact_sq);
+  r.rel_frob = norm > 0 ? std::sqrt(sum_err_sq) / norm : (sum_err_sq > 0 ? INFINITY : 0.0);
+  r.floor = norm > 0 ? std::sqrt(sum_floor_sq) / norm : 0.0;
+  r.ratio = r.floor > 0 ? r.rel_frob / r.floor : (r.rel_frob > 0 ? INFINITY : 0.0);
+  if (worst >= 0) {
+    r.max_abs_at = index_string(worst, exact.shape);
+    r.reference_at_max = exact.value(worst);
+    r.candidate_at_max = cand.value(worst);
+  }
+
+  // The tolerances.
+  if (profile.kind == ProfileKind::strict) {
+    const StrictBounds b = strict_bounds(scales, name, cand.dtype);
+    r.rtol = b.rtol;
+    r.atol = b.atol;
+    if (b.frob_bound >= 0) {
+      const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
+      const double op = expected_rounding_error(DType::BF16);
+      const double K = static_cast<double>(reduction_length(scales.shape, name));
+      r.frob_bound = gradient_safety * std::hypot(r.floor, op) * (1 + small_sample / std::sqrt(nn)) +
+                     accumulation_safety * std::sqrt(K) * u32;
+      const double rms = norm / std::sqrt(nn);
+      r.atol = elementwise_safety * std::sqrt(2 * std::log(2 * nn)) * r.frob_bound * rms;
+    }
+  } else {
+    r.rtol = profile.rtol;
+    r.atol = profile.atol;
+  }
+
+  // Pass 2: elements beyond the elementwise tolerance, and the margin.
+  double worst_elementwise = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double e = exact.value(i), c = cand.value(i);
+    const double allowed = r.atol + r.rtol * std::fabs(e);
+    const double err = std::fabs(c - e);
+    if (err > allowed) ++r.beyond;
+    worst_elementwise = std::max(worst_elementwise, allowed > 0 ? err / allowed : (err > 0 ? INFINITY : 0.0));
+  }
+  r.margin = worst_elementwise;
+  if (r.frob_bound >= 0) r.margin = std::max(r.margin, r.frob_bound > 0 ? r.rel_frob / r.frob_bound : 0.0);
+
+  if (r.beyond > 0)
+    return fail(std::to_string(r.beyond) + " of " + std::to_string(n) + " beyond atol " + sci(r.atol) + " + rtol " +
+                sci(r.rtol) + " |exact|; worst at " + r.max_abs_at + ": " + sci(r.candidate_at_max, 6) + " vs " +
+                sci(r.reference_at_max, 6));
+  if (r.frob_bound >= 0 && r.rel_frob > r.frob_bound)
+    return fail("rel_frob " + sci(r.rel_frob) + " > bound " + sci(r.frob_bound) + " (" + sci(r.ratio) + " x floor)");
+  r.verdict = Verdict::passed;
+  return r;
+}
+
+}  // namespace
+
+Report compare(const Problem& problem, const TensorMap& exact, const TensorMap& candidate, const Profile& profile) {
+  return compare(ProblemScales::of(problem), exact, candidate, profile);
+}
+
+Report compare(const ProblemScales& scales, const TensorMap& exact, const TensorMap& candidate,
+               const Profile& profile) {
+  Report report;
+  report.profile = profile.name();
+  for (const auto& name : all_output_names()) {
+    const auto e = exact.find(name);
+    const auto c = candidate.find(name);
+    if (e == exact.end()) {
+      if (c != candidate.end()) {
+        TensorReport r;
+        r.name = name;
+        r.verdict = Verdict::failed;
+        r.dtype = dtype_name(c->second.dtype);
+        r.shape = c->second.shape;
+        r.reason = "unexpected: the reference has no " + name + " for this problem";
+        report.tensors.push_back(r);
+      }
+      continue;
+    }
+    if (c == candidate.end()) {
+      TensorReport r;
+      r.name = name;
+      r.verdict = Verdict::not_checked;
+      r.reason = "missing from the candidate";
+      report.tensors.push_back(r);
+      continue;
+    }
+    report.tensors.push_back(compare_tensor(scales, name, e->second, c->second, profile));
+  }
+  for (const auto& [name, t] : candidate)
+    if (!exact.count(name) && std::find(all_output_names().begin(), all_output_names().end(), name) == all_output_names().end()) {
+      TensorReport r;
+      r.name = name;
+      r.verdict = Verdict::failed;
+      r.dtype = dtype_name(t.dtype);
+      r.shape = t.shape;
+      r.reason = "not an output name of SPEC";
+      report.tensors.push_back(r);
+    }
+  return report;
+}
+
+std::string format_table(const Report& report) {
+  std::ostringstream os;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-20s %-5s %-15s %9s %9s %9s %9s %9s %8s  %s\n", "tensor", "dtype", "shape",
+                "rel_frob", "floor", "ratio", "bound", "max_abs", "beyond", "verdict");
+  os << line;
+  for (const auto& t : report.tensors) {
+    if (t.verdict == Verdict::not_checked || (t.verdict == Verdict::failed && t.numel == 0 && t.reason.size())) {
+      std::snprintf(line, sizeof line, "%-20s %-5s %-15s %9s %9s %9s %9s %9s %8s  %s: %s\n", t.name.c_str(),
+                    t.dtype.c_str(), t.shape.empty() && t.dtype.empty() ? "" : shape_string(t.shape).c_str(), "-",
+                    "-", "-", "-", "-", "-", verdict_name(t.verdict).c_str(), t.reason.c_str());
+      os << line;
+      continue;
+    }
+    std::snprintf(line, sizeof line, "%-20s %-5s %-15s %9.2e %9.2e %9.2f %9s %9.2e %8lld  %s%s%s\n", t.name.c_str(),
+                  t.dtype.c_str(), shape_string(t.shape).c_str(), t.rel_frob, t.floor, t.ratio,
+                  t.frob_bound >= 0 ? sci(t.frob_bound).c_str() : "-", t.max_abs, static_cast<long long>(t.beyond),
+                  verdict_name(t.verdict).c_str(), t.reason.empty() ? "" : ": ", t.reason.c_str());
+    os << line;
+  }
+  os << "profile " << report.profile << ": " << report.count(Verdict::passed) << " passed, "
+     << report.count(Verdict::failed) << " failed, " << report.count(Verdict::not_checked) << " not checked -> "
+     << (report.passed() ? "PASSED" : "FAILED") << "\n";
+  return os.str();
+}
+
+std::string format_json(const Report& report) {
+  nlohmann::json j;
+  j["profile"] = report.profile;
+  j["passed"] = report.passed();
+  j["tensors"] = nlohmann::json::array();
+  auto number = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); };
+  for (const auto& t : report.tensors) {
+    nlohmann::json e;
+    e["name"] = t.name;
+    e["verdict"] = t.verdict == Verdict::passed ? "passed" : t.verdict == Verdict::failed ? "failed" : "not_checked";
+    e["reason"] = t.reason;
+    e["dtype"] = t.dtype;
+    e["shape"] = t.shape;
+    if (t.verdict != Verdict::not_checked && t.numel > 0) {
+      e["rel_frob"] = number(t.rel_frob);
+      e["floor"] = number(t.floor);
+      e["ratio"] = number(t.ratio);
+      e["max_abs"] = number(t.max_abs);
+      e["max_abs_at"] = t.max_abs_at;
+      e["rtol"] = t.rtol;
+      e["atol"] = t.atol;
+      e["frob_bound"] = t.frob_bound >= 0 ? number(t.frob_bound) : nlohmann::json(nullptr);
+      e["beyond"] = t.beyond;
+      e["non_finite"] = t.non_finite;
+      e["margin"] = number(t.margin);
+    }
+    j["tensors"].push_back(e);
+  }
+  return j.dump(2) + "\n";
+}
+
+}  // namespace simpo::verifier

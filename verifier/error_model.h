@@ -1,0 +1,99 @@
+// The error model: how far a candidate's outputs may sit from the exact (float64 reference) outputs before the
+// verifier calls them wrong. Per output tensor it measures
+//   rel_frob   ||candidate - exact|| / ||exact||                 (Frobenius norms)
+//   max_abs    max |candidate - exact|, and the multi-index where it happens
+//   floor      ||round(exact, candidate dtype) - exact|| / ||exact||: no output of that dtype can do better
+//   ratio      rel_frob / floor
+//   beyond     elements with |candidate - exact| > atol + rtol |exact|
+// and judges it under a profile:
+//   strict  (default) bounds derived from the dtypes, the shapes and the problem's scales for an implementation
+//           that multiplies bf16 operands and accumulates in fp32 (README "Error model" derives each bound)
+//   peer    Liger-Kernel's bf16 test tolerance, atol = rtol = 5e-3 elementwise
+//   user    the caller's atol and rtol, elementwise
+// NaN or Inf where the exact value is finite always fails; a wrong dtype or shape fails; a tensor the
+// candidate lacks is "not checked", which never counts as passed.
+#pragma once
+
+#include "problem/problem.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace simpo::verifier {
+
+enum class ProfileKind { strict, peer, user };
+
+struct Profile {
+  ProfileKind kind = ProfileKind::strict;
+  double rtol = 0, atol = 0;  // peer and user only; strict derives its own per tensor
+  std::string name() const;   // "strict", "peer", "user(rtol=1e-3, atol=1e-5)"
+};
+Profile strict_profile();
+Profile peer_profile();
+Profile user_profile(double rtol, double atol);  // InputError unless both are finite and >= 0
+Profile profile_from_name(const std::string&);   // "strict" or "peer"; InputError otherwise
+
+// What the strict bounds are derived from, measured once per problem in O(inputs).
+struct ProblemScales {
+  Shape shape;
+  Hyperparameters hp;
+  // Bound on |z| and on sum_h |x_h w_vh| for every logit: max_r ||x_r|| * max_v ||w_v|| + max |bias|
+  // (Cauchy-Schwarz), the magnitude fp32 rounding in the logits and the row log-sum-exp is relative to.
+  double logit_bound = 0;
+  static ProblemScales of(const Problem&);
+};
+
+// The strict tolerances for one output tensor of a candidate with dtype `candidate_dtype`.
+struct StrictBounds {
+  double atol = 0, rtol = 0;      // elementwise; for gradients atol is set later from the tensor's rms
+  double atol_per_rms = 0;        // gradients: atol = atol_per_rms * rms(exact)
+  double frob_bound = -1;         // gradients: rel_frob <= frob_bound (floor-dependent, filled by compare); -1: unused
+};
+StrictBounds strict_bounds(const ProblemScales&, const std::string& output_name, DType candidate_dtype);
+
+// The unit roundoff of a dtype (2^-8 for bf16, 2^-24 for f32, 2^-53 for f64) and the rms relative error of
+// rounding a typical (log-uniform mantissa) value to it: u * sqrt(1 / (8 ln 2)) = 0.4247 u.
+double unit_roundoff(DType);
+double expected_rounding_error(DType);
+
+enum class Verdict { passed, failed, not_checked };
+std::string verdict_name(Verdict);
+
+struct TensorReport {
+  std::string name;
+  Verdict verdict = Verdict::not_checked;
+  std::string reason;  // why it failed or was not checked; empty when passed
+  std::string dtype;   // the candidate's
+  std::vector<std::int64_t> shape;
+  std::int64_t numel = 0;
+  double rel_frob = 0, max_abs = 0, floor = 0, ratio = 0;
+  std::string max_abs_at;  // "(1, 0, 3)"
+  double reference_at_max = 0, candidate_at_max = 0;
+  double rtol = 0, atol = 0;
+  double frob_bound = -1;  // -1 when the profile has no Frobenius bound for this tensor
+  std::int64_t beyond = 0;
+  std::int64_t non_finite = 0;  // NaN/Inf where the reference is finite
+  // max(rel_frob / frob_bound, max_i |err_i| / (atol + rtol |exact_i|)): < 1 passes; how close it came.
+  double margin = 0;
+};
+
+struct Report {
+  std::string profile;
+  std::vector<TensorReport> tensors;  // in SPEC's output order
+  bool passed() const;  // every expected tensor present and passed, nothing unexpected
+  int count(Verdict) const;
+  // The largest rel_frob / frob_bound and (max over elements of |err| / (atol + rtol |exact|)) over all
+  // tensors: how close to failing a passing candidate came (< 1 passes). The README's margins come from here.
+  double worst_margin() const;
+};
+
+// Judges `candidate` against `exact` (the reference's outputs for `problem`). The tensors expected are exactly
+// those in `exact`; a candidate tensor `exact` lacks fails as unexpected (e.g. grad_bias without a bias).
+Report compare(const Problem&, const TensorMap& exact, const TensorMap& candidate, const Profile&);
+Report compare(const ProblemScales&, const TensorMap& exact, const TensorMap& candidate, const Profile&);
+
+std::string format_table(const Report&);  // one row per tensor, then the verdict line
+std::string format_json(const Report&);   // for CI: {"profile", "passed", "tensors": [...]}
+
+}  // namespace simpo::verifier
