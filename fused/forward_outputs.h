@@ -24,9 +24,13 @@ struct Targets {
 Targets read_targets(const Problem&, Mutant = Mutant::none);
 
 // The per-row statistics the backends compute from each chunk's logits; all the forward needs of them.
+// lse and z_target may carry any common per-row offset: only l = z_target - lse is read. The cpu backend
+// stores both relative to the row max (lse = log sum exp(z - max), z_target = z_t - max), which keeps l exact
+// to fp32 even when the target is the max logit and l is near 0; unshifted values (lse ~ the logits'
+// magnitude) lose up to ulp(lse)/2 there, e.g. 4e-6 absolute at logits of 100.
 struct RowStats {
-  std::vector<float> lse;       // [N] log sum_v exp(z[r, v]), fp32 with the max shift
-  std::vector<float> z_target;  // [N] z[r, column[r]] (0 where column = -1)
+  std::vector<float> lse;       // [N] log sum_v exp(z[r, v]) (up to the row's offset), fp32, max-shifted
+  std::vector<float> z_target;  // [N] z[r, column[r]] (up to the same offset; 0 where column = -1)
   std::vector<double> rowsum;   // [N] sum_v z[r, v] (for the *_logits_mean outputs)
   RowStats() = default;
   explicit RowStats(std::int64_t N) : lse(N, 0.f), z_target(N, 0.f), rowsum(N, 0.0) {}

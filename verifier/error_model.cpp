@@ -36,11 +36,6 @@ constexpr double accumulation_safety = 4.0;
 // errors in rows that are large (target rows of grad_weight).
 constexpr double elementwise_safety = 4.0;
 
-bool is_per_pair(const std::string& name) {
-  return name == output_name::chosen_logps || name == output_name::rejected_logps ||
-         name == output_name::chosen_rewards || name == output_name::rejected_rewards;
-}
-
 double round_to(DType dtype, double v) {
   switch (dtype) {
     case DType::BF16: return static_cast<double>(static_cast<float>(bf16(static_cast<float>(v))));

@@ -2,7 +2,7 @@
 //
 // Per chunk of R token rows:
 //   1. Z[R, V] = X_chunk W^T: Eigen fp32 GEMM on the bf16 values widened to float (exact), bias added per row.
-//   2. row stats in fp32 with the max shift: lse, z_target; rowsum in double.
+//   2. row stats in fp32 with the max shift: lse, z_target (both relative to the row max); rowsum in double.
 //   3. k per row: three_pass right away for the chunk's pairs; two_pass after pass 1 has seen every row.
 //   4. D[r, v] = bf16(-k softmax_v), overwriting Z in place, with D[r, target] = 0; the target column's exact
 //      c[r] = k (1 - p_target) stays in fp32 and is applied outside the GEMMs (gather / scatter-add).
@@ -49,6 +49,7 @@ class Run {
         schedule_(plan(problem.shape, options, !needs_all_pairs_at_once(options.mutant))),
         targets_(read_targets(problem, options.mutant)),
         stats_(problem.shape.N()),
+        row_max_(static_cast<std::size_t>(problem.shape.N()), 0.f),
         k_(static_cast<std::size_t>(problem.shape.N()), 0.f),
         c_(static_cast<std::size_t>(problem.shape.N()), 0.f) {
     const auto H = shape_.H, V = shape_.V;
@@ -161,9 +162,13 @@ class Run {
       }
       double rowsum = 0;
       for (Eigen::Index v = 0; v < V; ++v) rowsum += z[v];
-      stats_.lse[r] = max + std::log(sum_exp);
+      // lse and z_target both relative to the row max (forward_outputs.h allows any common per-row offset):
+      // l = (z_target - max) - log(sum) then keeps fp32's relative precision when the target is the max logit
+      // and l is near 0, where max + log(sum) rounded at the logits' magnitude would not.
+      row_max_[r] = max;
+      stats_.lse[r] = std::log(sum_exp);
       const std::int64_t column = targets_.column[r];
-      stats_.z_target[r] = column >= 0 ? z[column] : 0.f;
+      stats_.z_target[r] = column >= 0 ? z[column] - max : 0.f;
       stats_.rowsum[r] += rowsum;  // += so that a chunk processed twice (a mutant) shows in the means
     }
   }
@@ -198,20 +203,20 @@ class Run {
     for (Eigen::Index i = 0; i < R; ++i) {
       float* z = &logits_(i, 0);
       const auto r = static_cast<std::size_t>(rows_[i]);
-      const float k = k_[r], lse = stats_.lse[r];
+      const float k = k_[r], max = row_max_[r], log_sum = stats_.lse[r];
       const std::int64_t column = targets_.column[r];
       if (k == 0.f) {  // ignored rows and empty sequences: no gradient at all
         std::fill(z, z + V, 0.f);
         c_[r] = 0.f;
         continue;
       }
-      for (Eigen::Index v = 0; v < V; ++v) z[v] = round_bf16(math::softmax_gradient(k, z[v], lse));
+      for (Eigen::Index v = 0; v < V; ++v) z[v] = round_bf16(math::softmax_gradient(k, z[v] - max, log_sum));
       z[column] = 0.f;
       if (mutant_ == Mutant::softmax_rounded_before_onehot) {
         // MUTANT softmax_rounded_before_onehot: 1 - bf16(p_target), which erases a small 1 - p.
-        c_[r] = k * (1.f - round_bf16(std::exp(stats_.z_target[r] - lse)));
+        c_[r] = k * (1.f - round_bf16(std::exp(stats_.z_target[r] - log_sum)));
       } else {
-        c_[r] = math::target_coefficient(k, stats_.z_target[r], lse);
+        c_[r] = math::target_coefficient(k, stats_.z_target[r], log_sum);
       }
     }
     const auto D = logits_.topRows(R);
@@ -303,7 +308,8 @@ class Run {
   const Mutant mutant_;
   const Schedule schedule_;
   const Targets targets_;
-  RowStats stats_;
+  RowStats stats_;         // lse and z_target relative to row_max_
+  std::vector<float> row_max_;  // [N] the max shift of each row
   std::vector<float> k_;  // [N] per-row coefficient
   std::vector<float> c_;  // [N] exact target-column value of dz
   MatrixF weight_;        // [V, H] the bf16 weight widened to float

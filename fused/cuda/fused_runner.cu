@@ -18,7 +18,7 @@ std::int64_t gemm_workspace_bytes(std::int64_t budget) {
 // The workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that live for the
 // whole run, then the chunk buffers (logits, dz, grad_x) sized for the largest chunk.
 struct Layout {
-  std::int64_t gemm = 0, lse = 0, z_target = 0, target_coef = 0, rowsum = 0, avg = 0, avg_grad = 0,
+  std::int64_t gemm = 0, row_max = 0, lse = 0, z_target = 0, target_coef = 0, rowsum = 0, avg = 0, avg_grad = 0,
                completion_tokens = 0, fixed = 0;
   std::int64_t per_row = 0;  // this backend's bytes per chunk row (padded rows; cf. workspace_bytes_per_row)
   std::int64_t logits = 0, dz = 0, grad_x = 0, total = 0;
@@ -34,6 +34,7 @@ Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients) {
     return offset;
   };
   l.gemm = take(gemm_workspace_bytes(budget));
+  l.row_max = take(N * 4);
   l.lse = take(N * 4);
   l.z_target = take(N * 4);
   l.target_coef = take(N * 4);
@@ -104,6 +105,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     gemm_bytes_ = gemm_bytes;
   }
   char* base = workspace_.as<char>();
+  float* row_max = reinterpret_cast<float*>(base + layout.row_max);
   float* lse = reinterpret_cast<float*>(base + layout.lse);
   float* z_target = reinterpret_cast<float*>(base + layout.z_target);
   float* target_coef = reinterpret_cast<float*>(base + layout.target_coef);
@@ -135,7 +137,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
       gemms_->logits(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, logits + offset * ld_v, ld_v);
-      if (with_stats) launch_row_stats(part_logits(part, offset), lse, z_target, rowsum, stream_);
+      if (with_stats) launch_row_stats(part_logits(part, offset), row_max, lse, z_target, rowsum, stream_);
       offset += part.rows();
     }
   };
@@ -146,7 +148,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       const std::int64_t rows = part.rows();
       __nv_bfloat16* dz_part = dz + offset * ld_v;
       float* gx = grad_x_part + offset * ld_h;
-      launch_dz(part_logits(part, offset), coefficients, lse, z_target, dz_part, ld_v, target_coef, stream_);
+      launch_dz(part_logits(part, offset), coefficients, row_max, lse, z_target, dz_part, ld_v, target_coef,
+                stream_);
       gemms_->grad_x(rows, V, ld_h, dz_part, ld_v, p.weight, gx);
       gemms_->accumulate_grad_weight(rows, V, ld_h, dz_part, ld_v, p.x + part.begin * ld_h, g->grad_weight);
       launch_grad_x_finish(gx, rows, part.begin, H, ld_h, p.weight, p.target, target_coef, g->grad_x, stream_);

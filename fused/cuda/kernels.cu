@@ -82,8 +82,8 @@ __device__ inline double block_sum(double x, double* shared /*[kWarps]*/) {
 // One block per row, one read of the row: each thread folds its columns into an online (max, sum of exp)
 // state and a double sum of the logits; warps merge by shuffles, the block through shared memory.
 template <bool kBias>
-__global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, float* lse, float* z_target,
-                                                               double* rowsum) {
+__global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, float* row_max, float* lse,
+                                                               float* z_target, double* rowsum) {
   const std::int64_t local = blockIdx.x, r = a.row_begin + local;
   const float* row = a.logits + local * a.ld_logits;
   const std::int64_t V8 = a.V / 8 * 8;
@@ -125,9 +125,12 @@ __global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, flo
       total = m::lse_merge(total, m::LogSumExp<float>{shared_max[w], shared_sum[w]});
       total_sum += shared_total[w];
     }
+    // Relative to the row max (see RowStats in fused/forward_outputs.h): l = z_target - lse is then exact to
+    // fp32 even when the target is the max logit and l ~ 0, where unshifted values would lose ulp(lse).
     const std::int64_t t = a.target[r];
-    lse[r] = m::lse_value(total);
-    z_target[r] = t != a.ignore_index ? load1<kBias>(row, a.bias, t) : 0.0f;
+    row_max[r] = total.max;
+    lse[r] = m::lse_value(m::LogSumExp<float>{0.0f, total.sum});
+    z_target[r] = t != a.ignore_index ? load1<kBias>(row, a.bias, t) - total.max : 0.0f;
     rowsum[r] = total_sum;
   }
 }
@@ -164,8 +167,8 @@ __global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, st
 // The target column is written as 0: its value, k (1 - p_target), would lose its small part in bf16 next to
 // the large softmax terms, so it travels separately in fp32 (target_coef).
 template <bool kBias>
-__global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, CoefficientParams c, const float* lse,
-                                                        const float* z_target, __nv_bfloat16* dz,
+__global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, CoefficientParams c, const float* row_max,
+                                                        const float* lse, const float* z_target, __nv_bfloat16* dz,
                                                         std::int64_t ld_dz, float* target_coef) {
   const std::int64_t local = blockIdx.x, r = a.row_begin + local, b = r / c.T;
   const float* row = a.logits + local * a.ld_logits;
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
   const float k = static_cast<float>(m::row_coefficient(c.grad_scale, completion, c.avg_grad[b],
                                                         static_cast<long long>(c.completion_tokens[b]),
                                                         b < c.P ? c.nll_weight : 0.0));
-  const float row_lse = lse[r];
+  const float shift = row_max[r], row_lse = lse[r];  // softmax_v = exp((z_v - max) - lse_relative)
   const std::int64_t V8 = a.V / 8 * 8;
 
   if (k == 0.0f) {  // ignored rows and empty sequences: a zero row, no exponentials
@@ -187,13 +190,13 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
       float z[8];
       load8<kBias>(row, a.bias, v, z);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) z[i] = (v + i == t) ? 0.0f : m::softmax_gradient(k, z[i], row_lse);
+      for (int i = 0; i < 8; ++i) z[i] = (v + i == t) ? 0.0f : m::softmax_gradient(k, z[i] - shift, row_lse);
       store8(out + v, z);
     }
   }
   for (std::int64_t v = V8 + threadIdx.x; v < ld_dz; v += kRowThreads) {
     float value = 0.0f;
-    if (v < a.V && v != t && k != 0.0f) value = m::softmax_gradient(k, load1<kBias>(row, a.bias, v), row_lse);
+    if (v < a.V && v != t && k != 0.0f) value = m::softmax_gradient(k, load1<kBias>(row, a.bias, v) - shift, row_lse);
     out[v] = __float2bfloat16_rn(value);
   }
   if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_target[r], row_lse) : 0.0f;
@@ -296,12 +299,13 @@ unsigned grid_rows(std::int64_t rows) {
 
 }  // namespace
 
-void launch_row_stats(const LogitRows& a, float* lse, float* z_target, double* rowsum, cudaStream_t stream) {
+void launch_row_stats(const LogitRows& a, float* row_max, float* lse, float* z_target, double* rowsum,
+                      cudaStream_t stream) {
   if (a.rows == 0) return;
   if (a.bias)
-    row_stats_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, lse, z_target, rowsum);
+    row_stats_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, row_max, lse, z_target, rowsum);
   else
-    row_stats_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, lse, z_target, rowsum);
+    row_stats_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, row_max, lse, z_target, rowsum);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -314,13 +318,15 @@ void launch_pair_math(const PairParams& p, std::int64_t pair_begin, std::int64_t
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
-void launch_dz(const LogitRows& a, const CoefficientParams& c, const float* lse, const float* z_target,
-               __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t stream) {
+void launch_dz(const LogitRows& a, const CoefficientParams& c, const float* row_max, const float* lse,
+               const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t stream) {
   if (a.rows == 0) return;
   if (a.bias)
-    dz_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, lse, z_target, dz, ld_dz, target_coef);
+    dz_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, row_max, lse, z_target, dz, ld_dz,
+                                                                    target_coef);
   else
-    dz_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, lse, z_target, dz, ld_dz, target_coef);
+    dz_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, row_max, lse, z_target, dz, ld_dz,
+                                                                     target_coef);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -23,8 +23,10 @@ struct LogitRows {
   std::int64_t ignore_index;
 };
 
-// Pass 1: lse[r], z_target[r] (0 on ignored rows) and rowsum[r] = sum_v z (double) for the part's rows.
-void launch_row_stats(const LogitRows&, float* lse, float* z_target, double* rowsum, cudaStream_t);
+// Pass 1, for the part's rows: row_max[r]; lse[r] and z_target[r] relative to it (lse = log sum exp(z - max),
+// z_target = z_t - max, 0 on ignored rows; fused/forward_outputs.h's RowStats convention); rowsum[r] = sum_v z
+// in double.
+void launch_row_stats(const LogitRows&, float* row_max, float* lse, float* z_target, double* rowsum, cudaStream_t);
 
 // Pair math for pairs [pair_begin, pair_end): avg[b] and dL/davg[b] (avg_grad) for both sequences of each pair,
 // in double from the fp32 row stats, exactly the formulas of fused/forward_outputs.cpp.
@@ -46,8 +48,8 @@ struct CoefficientParams {
   const double* avg_grad;                 // [B]
   const std::int64_t* completion_tokens;  // [B]
 };
-void launch_dz(const LogitRows&, const CoefficientParams&, const float* lse, const float* z_target, __nv_bfloat16* dz,
-               std::int64_t ld_dz, float* target_coef, cudaStream_t);
+void launch_dz(const LogitRows&, const CoefficientParams&, const float* row_max, const float* lse,
+               const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t);
 
 // grad_x rows = bf16(GEMM result + target_coef[r] * W[target[r]]): the exact target term added in fp32, then
 // one rounding. grad_x_part is [rows, ld_h] fp32; grad_x_out the [N, H] bf16 output.

@@ -69,13 +69,15 @@ TensorMap check_case(const CaseSpec& spec, const Options& options) {
   return out;
 }
 
-// Two fused runs differ only by fp32 noise when the difference is far below the bf16 floor: a few outputs
-// rounding to the neighbouring bf16 value where the fp32 sums differ in their last bits. 0.5x the floor
-// would already be half of all the rounding error a bf16 output carries; measured agreement is far tighter.
-void expect_same_to_fp32_noise(const TensorMap& a, const TensorMap& b) {
+// Two fused runs differ only by fp32 noise when their gradients differ far less than the bf16 floor (the
+// exact gradient's own rounding error, from `exact`): sums that differ in their last fp32 bits round to the
+// neighbouring bf16 value in a few elements. 0.25x the floor allows that in a few percent of the elements at
+// most (each flip costs ~1 bf16 ulp, 2-4x an average rounding error); the scalars agree to 1e-6 relative
+// (fp32 sums of the same terms in other orders).
+void expect_same_to_fp32_noise(const TensorMap& a, const TensorMap& b, const TensorMap& exact) {
   for (const auto& [name, t] : a) {
     if (is_gradient_output(name)) {
-      EXPECT_LE(relative_error(t, b.at(name)), 0.5 * bf16_floor(b.at(name))) << name;
+      EXPECT_LE(relative_error(t, b.at(name)), 0.25 * bf16_floor(exact.at(name))) << name;
     } else {
       for (std::int64_t i = 0; i < t.numel(); ++i)
         EXPECT_LE(std::abs(t.value(i) - b.at(name).value(i)), 1e-6 * (1 + std::abs(t.value(i)))) << name << "[" << i << "]";
@@ -175,7 +177,7 @@ TEST(CpuBackendFeatures, ForwardOnlyHasNoGradientsAndTheSameForward) {
   const TensorMap fwd = check_case(spec, forward);
   const TensorMap full = compute(generate(spec), cpu_options());
   // Forward-only uses bigger chunks (no dz or grad_x per row): the same forward up to fp32 noise.
-  expect_same_to_fp32_noise(fwd, full);
+  expect_same_to_fp32_noise(fwd, full, {});  // no gradients to compare
 }
 
 TEST(CpuBackendFeatures, GradWeightF32RoundsToTheBf16Output) {
@@ -233,13 +235,14 @@ TEST(CpuBackendSchedules, WorkspaceBudgetsGiveOneResult) {
   spec.bias = true;
   const Problem problem = generate(spec);
   const TensorMap whole = compute(problem, cpu_options());
+  const TensorMap exact = reference::compute(problem);
   const std::int64_t row_bytes = workspace_bytes_per_row(problem.shape, true);
   for (std::int64_t rows : {1, 7, 79, 80, 81, 160, 239}) {
     SCOPED_TRACE("budget of " + std::to_string(rows) + " rows");
     Options options = cpu_options();
     options.workspace_bytes = rows * row_bytes + row_bytes / 2;
     EXPECT_EQ(plan(problem.shape, options).chunk_rows, rows);
-    expect_same_to_fp32_noise(compute(problem, options), whole);
+    expect_same_to_fp32_noise(compute(problem, options), whole, exact);
   }
 }
 
@@ -252,7 +255,7 @@ TEST(CpuBackendSchedules, TwoPassAgreesWithThreePass) {
   two.max_chunk_rows = 99;     // one row short of a pair: the fallback
   ASSERT_EQ(plan(problem.shape, three).mode, Mode::three_pass);
   ASSERT_EQ(plan(problem.shape, two).mode, Mode::two_pass);
-  expect_same_to_fp32_noise(compute(problem, two), compute(problem, three));
+  expect_same_to_fp32_noise(compute(problem, two), compute(problem, three), reference::compute(problem));
 }
 
 TEST(CpuBackendSchedules, TooSmallABudgetIsAnInputErrorNamingTheBytes) {
@@ -291,7 +294,9 @@ TEST(FusedEntryPoint, NamesRoundTrip) {
 TEST(FusedEntryPoint, ResolveFollowsTheDevice) {
   EXPECT_EQ(resolve(Backend::cpu), Backend::cpu);
   EXPECT_EQ(resolve(Backend::automatic), cuda_available() ? Backend::cuda : Backend::cpu);
-  if (!cuda_available()) EXPECT_THROW(resolve(Backend::cuda), InputError);
+  if (!cuda_available()) {
+    EXPECT_THROW(resolve(Backend::cuda), InputError);
+  }
 }
 
 }  // namespace

@@ -264,6 +264,7 @@ TEST(Generate, LogitScaleIsRoughlyAsAsked) {
   // N = 64 rows, V = 256, H = 64. Var(z) = H * Var(x) * Var(w) = scale^2. The estimate's error is dominated by
   // the spread of the 64 row norms and 256 weight-row norms (each relative sd sqrt(2/H) = 0.18 on the variance):
   // about 0.18/sqrt(64) + 0.18/sqrt(256) ~ 3% on the variance, 1.7% on the std. 10% is > 5 of those.
+  // Measured with seed 8: 1.017 at every scale (the same normal draws, scaled).
   for (double scale : {0.5, 2.0, 30.0}) {
     CaseSpec spec = spec_of({4, 16, 64, 256}, IgnorePattern::none, 8);
     spec.logit_scale = scale;

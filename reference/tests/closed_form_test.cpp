@@ -30,6 +30,9 @@ struct TwoTokenCase {
   bool rejected_empty;  // likewise the rejected one
   Hyperparameters hp;
 };
+// gtest prints a parameter by its name, not its bytes.
+void PrintTo(const TwoTokenCase& c, std::ostream* os) { *os << c.name; }
+
 
 // B = 2 (one pair), T = 1, H = 1, V = 2. Chosen x = a with target 0, rejected x = b with target 1.
 // Logits z = x (w0, w1) + (b0, b1). With d = w0 - w1 and e = b0 - b1:
@@ -95,8 +98,12 @@ TEST_P(TwoTokenVocabulary, MatchesClosedForm) {
     EXPECT_EQ(out.count("grad_bias"), 0u);
   }
   // An empty sequence contributes no gradient at all: exactly zero, not merely small.
-  if (param.chosen_empty) EXPECT_EQ(grad_x[0], 0.0);
-  if (param.rejected_empty) EXPECT_EQ(grad_x[1], 0.0);
+  if (param.chosen_empty) {
+    EXPECT_EQ(grad_x[0], 0.0);
+  }
+  if (param.rejected_empty) {
+    EXPECT_EQ(grad_x[1], 0.0);
+  }
 }
 
 Hyperparameters make_hp(double beta, double gamma, double alpha, double ls, double grad_scale, bool nll = true,

@@ -21,6 +21,9 @@ struct FiniteDifferenceCase {
   CaseSpec spec;
   std::int64_t chunk_rows;
 };
+// gtest prints a parameter by its name, not its bytes.
+void PrintTo(const FiniteDifferenceCase& c, std::ostream* os) { *os << c.name; }
+
 
 // Tolerance, derived per entry. With f(theta) = grad_scale * loss, the central difference
 //   D(h) = (f(theta + h) - f(theta - h)) / 2h = f'(theta) + (h^2 / 6) f'''(xi) + rounding

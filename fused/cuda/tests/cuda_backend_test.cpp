@@ -272,8 +272,8 @@ TEST(CudaBackendSchedules, TwoPassAgreesWithThreePass) {
   expect_same_to_fp32_noise(cuda::compute(problem, two), cuda::compute(problem, three));
 }
 
-// Budgets from the 64 MiB minimum up, on a shape whose one pair (2T rows) needs ~150 MiB: 64 and 100 MiB run the
-// two_pass fallback, 160 MiB one pair per chunk, 1 GiB everything in one chunk. All must meet the bar, and the
+// Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows of ~293 KiB) needs ~147 MiB plus
+// the GEMM scratch: 64 and 100 MiB run the two_pass fallback, 200 MiB one pair per chunk, 1 GiB one chunk. All must meet the bar, and the
 // runner must never allocate past the budget.
 TEST(CudaBackendSchedules, WorkspaceBudgetsFromTheMinimumUp) {
   SKIP_WITHOUT_DEVICE();
@@ -281,11 +281,10 @@ TEST(CudaBackendSchedules, WorkspaceBudgetsFromTheMinimumUp) {
   spec.hp.label_smoothing = 0.1;
   const Problem problem = generate(spec);
   const TensorMap exact = reference::compute(problem);
-  for (std::int64_t mib : {64, 100, 160, 1024}) {
+  for (std::int64_t mib : {64, 100, 200, 1024}) {
     SCOPED_TRACE("workspace " + std::to_string(mib) + " MiB");
     Options options = cuda_options();
     options.workspace_bytes = mib << 20;
-    // Run through the device API to see the schedule and the allocation.
     const TensorMap out = cuda::compute(problem, options);
     for (const auto& v : bar_violations(out, exact, logits_mean_tolerance(spec.logit_scale))) ADD_FAILURE() << v;
   }
@@ -316,7 +315,7 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
   cuda::DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();
   gradients.grad_weight = grad_w.as<float>();
-  for (std::int64_t mib : {64, 100, 160, 1024}) {
+  for (std::int64_t mib : {64, 100, 200, 1024}) {
     for (bool with_gradients : {true, false}) {
       Options options = cuda_options();
       options.workspace_bytes = mib << 20;
@@ -325,7 +324,9 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
       SCOPED_TRACE(std::to_string(mib) + " MiB: " + report.schedule.to_string());
       EXPECT_LE(report.workspace_bytes, options.workspace_bytes);
       EXPECT_EQ(report.gemm_fallbacks, 0) << "cuBLASLt refused a padded, 16-byte aligned GEMM";
-      if (with_gradients) EXPECT_EQ(report.schedule.mode, mib >= 160 ? Mode::three_pass : Mode::two_pass);
+      if (with_gradients) {
+        EXPECT_EQ(report.schedule.mode, mib >= 200 ? Mode::three_pass : Mode::two_pass);
+      }
     }
   }
 }

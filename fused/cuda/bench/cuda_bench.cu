@@ -1,0 +1,222 @@
+// Benchmark of the cuda backend on the published workload (T=1024, H=4096, V=128256, bf16): fused
+// forward-only and forward+backward times against the cuBLASLt GEMM floor of the same shapes measured in the
+// same run (1 GEMM for the forward, 3 for forward+backward), and the peak device memory the fused step takes
+// above its inputs and outputs. Random inputs (never zeros: they run faster than real data), times are medians
+// of CUDA-event intervals after warm-up. Inputs live on the device: no host transfers are timed.
+#include "fused/cuda/cuda_check.h"
+#include "fused/cuda/device_fused.h"
+#include "fused/cuda/gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+using namespace simpo;
+using namespace simpo::fused;
+using namespace simpo::fused::cuda;
+
+namespace {
+
+// splitmix64 of (seed, i) -> uniform in [-1, 1): a stateless generator every thread can evaluate.
+__device__ inline float uniform_pm1(std::uint64_t seed, std::uint64_t i) {
+  std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+// A [rows, ld] bf16 matrix, columns < cols uniform in [-scale, scale), the padding zero.
+__global__ void fill_uniform(__nv_bfloat16* out, std::int64_t rows, std::int64_t cols, std::int64_t ld, float scale,
+                             std::uint64_t seed) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < rows * ld;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t c = i % ld;
+    out[i] = __float2bfloat16_rn(c < cols ? scale * uniform_pm1(seed, i) : 0.0f);
+  }
+}
+
+// Targets uniform in [0, V); the first tenth of each sequence is a prompt (ignore_index), as in training data.
+__global__ void fill_targets(std::int64_t* target, std::int64_t N, std::int64_t T, std::int64_t V,
+                             std::int64_t ignore_index, std::uint64_t seed) {
+  for (std::int64_t r = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; r < N;
+       r += std::int64_t(gridDim.x) * blockDim.x) {
+    const float u = 0.5f * (uniform_pm1(seed, r) + 1.0f);
+    target[r] = (r % T) < T / 10 ? ignore_index : min(V - 1, static_cast<std::int64_t>(u * V));
+  }
+}
+
+struct Timing {
+  double median_ms = 0, min_ms = 0;
+};
+
+// Median of `reps` event-timed calls of `body` on `stream`, after `warmup` untimed ones.
+Timing time_it(cudaStream_t stream, int warmup, int reps, const std::function<void()>& body) {
+  for (int i = 0; i < warmup; ++i) body();
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaEvent_t start, stop;
+  SIMPO_CUDA_CHECK(cudaEventCreate(&start));
+  SIMPO_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    SIMPO_CUDA_CHECK(cudaEventRecord(start, stream));
+    body();
+    SIMPO_CUDA_CHECK(cudaEventRecord(stop, stream));
+    SIMPO_CUDA_CHECK(cudaEventSynchronize(stop));
+    float elapsed = 0;
+    SIMPO_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    ms.push_back(elapsed);
+  }
+  SIMPO_CUDA_CHECK(cudaEventDestroy(start));
+  SIMPO_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.front()};
+}
+
+std::int64_t free_device_bytes() {
+  std::size_t free_bytes = 0, total = 0;
+  SIMPO_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  return static_cast<std::int64_t>(free_bytes);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::int64_t> batches = {2, 16};
+  std::int64_t T = 1024, H = 4096, V = 128256;
+  std::int64_t workspace = default_workspace_bytes;
+  int warmup = 3, reps = 10;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::int64_t {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return std::atoll(argv[++i]);
+    };
+    if (a == "--B") {
+      batches.clear();
+      batches.push_back(next());
+    } else if (a == "--T") T = next();
+    else if (a == "--H") H = next();
+    else if (a == "--V") V = next();
+    else if (a == "--workspace-mib") workspace = next() << 20;
+    else if (a == "--reps") reps = static_cast<int>(next());
+    else if (a == "--warmup") warmup = static_cast<int>(next());
+    else {
+      std::fprintf(stderr,
+                   "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
+                   "  default: B in {2, 16}, T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+
+  try {
+    cudaDeviceProp prop{};
+    SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s, %d SMs, %.1f GiB; T=%lld H=%lld V=%lld, workspace budget %lld MiB, %d reps (median)\n",
+                prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, (long long)T, (long long)H,
+                (long long)V, (long long)(workspace >> 20), reps);
+    std::printf("%4s | %9s %9s | %9s %9s | %7s %7s | %10s %10s | %s\n", "B", "floor fwd", "fused fwd", "floor full",
+                "fused full", "fwd/fl", "full/fl", "extra MiB", "(ws+acc)", "schedule");
+
+    for (const std::int64_t B : batches) {
+      const std::int64_t N = B * T, ld_h = padded(H), ld_v = padded(V);
+      FusedRunner runner;
+      const cudaStream_t stream = runner.stream();
+
+      // Inputs: x ~ U(-sqrt3, sqrt3) (variance 1), W scaled for logits of standard deviation ~2.
+      DeviceBuffer x(N * ld_h * 2, "x"), weight(V * ld_h * 2, "weight"), target(N * 8, "target");
+      fill_uniform<<<4096, 256, 0, stream>>>(x.as<__nv_bfloat16>(), N, H, ld_h, 1.7320508f, 1);
+      SIMPO_CUDA_CHECK_LAUNCH();
+      fill_uniform<<<4096, 256, 0, stream>>>(weight.as<__nv_bfloat16>(), V, H, ld_h,
+                                              static_cast<float>(std::sqrt(3.0 * 4.0 / H)), 2);
+      SIMPO_CUDA_CHECK_LAUNCH();
+      Hyperparameters hp;
+      fill_targets<<<256, 256, 0, stream>>>(target.as<std::int64_t>(), N, T, V, hp.ignore_index, 3);
+      SIMPO_CUDA_CHECK_LAUNCH();
+      std::vector<std::int64_t> host_target(N);
+      SIMPO_CUDA_CHECK(cudaMemcpyAsync(host_target.data(), target.get(), N * 8, cudaMemcpyDeviceToHost, stream));
+      SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+      DeviceProblem problem;
+      problem.shape = {.B = B, .T = T, .H = H, .V = V};
+      problem.hp = hp;
+      problem.ld_h = ld_h;
+      problem.x = x.as<__nv_bfloat16>();
+      problem.weight = weight.as<__nv_bfloat16>();
+      problem.target = target.as<std::int64_t>();
+      problem.targets.column.resize(N);
+      problem.targets.n.assign(B, 0);
+      for (std::int64_t r = 0; r < N; ++r) {
+        const bool completion = host_target[r] != hp.ignore_index;
+        problem.targets.column[r] = completion ? host_target[r] : -1;
+        problem.targets.n[r / T] += completion;
+        if (completion && r / T < B / 2) ++problem.targets.n_chosen;
+      }
+
+      // Outputs (grad_x and the bf16 grad_weight), then the baseline for "extra" memory.
+      DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_weight_bf16(V * H * 2, "grad_weight");
+      SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::int64_t free_before = free_device_bytes();
+      DeviceBuffer grad_weight(V * ld_h * 4, "the fp32 grad_weight accumulator");
+      DeviceGradients gradients;
+      gradients.grad_x = grad_x.as<__nv_bfloat16>();
+      gradients.grad_weight = grad_weight.as<float>();
+      gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();
+
+      Options options;
+      options.workspace_bytes = workspace;
+      Options forward_options = options;
+      forward_options.gradients = false;
+
+      const Timing full = time_it(stream, warmup, reps, [&] { runner.run(problem, &gradients, options); });
+      const std::string schedule = runner.last_report().schedule.to_string();
+      const std::int64_t workspace_full = runner.last_report().workspace_bytes;
+      const int fallbacks = runner.last_report().gemm_fallbacks;
+      const std::int64_t extra = free_before - free_device_bytes();  // workspace + accumulator + handles
+      const Timing forward = time_it(stream, warmup, reps, [&] { runner.run(problem, nullptr, forward_options); });
+
+      // The floor: the same GEMMs through cuBLASLt with no fused work between them.
+      Timing floor_fwd, floor_full;
+      {
+        DeviceBuffer logits(N * ld_v * 4, "floor logits"), dz(N * ld_v * 2, "floor dz"),
+            gx(N * ld_h * 4, "floor grad_x"), gemm_ws(std::size_t{32} << 20, "floor GEMM workspace");
+        SIMPO_CUDA_CHECK(cudaMemsetAsync(dz.get(), 0, N * ld_v * 2, stream));
+        fill_uniform<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), N, V, ld_v, 1e-3f, 4);  // not zeros
+        SIMPO_CUDA_CHECK_LAUNCH();
+        Gemms gemms(stream, gemm_ws.get(), gemm_ws.bytes());
+        auto logits_gemm = [&] {
+          gemms.logits(N, V, ld_h, problem.x, problem.weight, logits.as<float>(), ld_v);
+        };
+        floor_fwd = time_it(stream, warmup, reps, logits_gemm);
+        floor_full = time_it(stream, warmup, reps, [&] {
+          logits_gemm();
+          gemms.grad_x(N, V, ld_h, dz.as<__nv_bfloat16>(), ld_v, problem.weight, gx.as<float>());
+          gemms.accumulate_grad_weight(N, V, ld_h, dz.as<__nv_bfloat16>(), ld_v, problem.x, grad_weight.as<float>());
+        });
+      }
+      const double flops_fwd = 2.0 * N * H * V;
+      std::printf("%4lld | %9.2f %9.2f | %9.2f %9.2f | %7.2f %7.2f | %10.0f %10s | %s%s\n", (long long)B,
+                  floor_fwd.median_ms, forward.median_ms, floor_full.median_ms, full.median_ms,
+                  forward.median_ms / floor_fwd.median_ms, full.median_ms / floor_full.median_ms,
+                  extra / 1048576.0,
+                  (std::to_string(workspace_full >> 20) + "+" + std::to_string((V * ld_h * 4) >> 20)).c_str(),
+                  schedule.c_str(), fallbacks ? " (cuBLAS fallbacks!)" : "");
+      std::printf("     floor GEMM rate: fwd %.0f TFLOP/s, full %.0f TFLOP/s; fused full %.0f TFLOP/s (3 GEMMs' flops)\n",
+                  flops_fwd / floor_fwd.median_ms / 1e9, 3 * flops_fwd / floor_full.median_ms / 1e9,
+                  3 * flops_fwd / full.median_ms / 1e9);
+      std::fflush(stdout);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuda_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

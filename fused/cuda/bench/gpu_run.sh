@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The cuda backend's GPU session in one call, for a lent GPU machine that has no Eigen/GTest to build with:
+#   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test and cuda_bench, a
+#                                                  CTest file of the gpu-labelled tests and libgomp into STAGE
+#   fused/cuda/bench/gpu_run.sh run STAGE           (there) ctest -L gpu, compute-sanitizer memcheck and
+#                                                  racecheck on small cases, then cuda_bench; logs in $OUT
+set -u
+mode=${1:?stage or run}
+if [ "$mode" = stage ]; then
+  build=${2:?build folder}; stage=${3:?stage folder}
+  rm -rf "$stage" && mkdir -p "$stage/lib" || exit 2
+  cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$stage/" || exit 2
+  # The discovered tests (add_test + LABELS gpu) with their absolute build path made relocatable.
+  sed "s|$(realpath "$build")/fused/cuda|@DIR@|g" "$build/fused/cuda/cuda_backend_test[1]_tests.cmake" \
+    > "$stage/CTestTestfile.cmake.in" || exit 2
+  cp "$(g++ -print-file-name=libgomp.so.1)" "$stage/lib/" || exit 2
+  exit 0
+fi
+
+stage=$(realpath "${2:?stage folder}")
+OUT=${OUT:-$PWD/gpu-logs}
+mkdir -p "$OUT"
+sed "s|@DIR@|$stage|g" "$stage/CTestTestfile.cmake.in" > "$stage/CTestTestfile.cmake"
+# Libraries the binaries need that this machine may keep elsewhere: cuBLAS(Lt) from the toolkit or a wheel,
+# libgomp (OpenMP of the reference) from the stage as a last resort.
+for lib in libcublasLt.so.13 libcublas.so.13 libcudart.so.13; do
+  if ldd "$stage/cuda_backend_test" | grep "$lib" | grep -q "not found"; then
+    dir=$(dirname "$(find / -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1)")
+    export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
+  fi
+done
+ldd "$stage/cuda_backend_test" | grep -q "libgomp.*not found" && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$stage/lib"
+ldd "$stage/cuda_backend_test" > "$OUT/ldd.txt" 2>&1
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+
+echo "== ctest -L gpu"
+(cd "$stage" && ctest -L gpu --output-on-failure --timeout 400) > "$OUT/ctest.log" 2>&1
+echo "ctest exit $?"; grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | head -30
+
+small='CudaBackendFeatures.OddSizesBothSchedules:CudaBackendFeatures.Bias:CudaBackendSchedules.TwoPassAgreesWithThreePass:CudaBackendFeatures.EmptySequenceTreatedAsZero'
+for tool in memcheck racecheck; do
+  echo "== compute-sanitizer --tool $tool on $small"
+  compute-sanitizer --tool $tool --error-exitcode 9 "$stage/cuda_backend_test" --gtest_filter="$small" \
+    > "$OUT/$tool.log" 2>&1
+  echo "$tool exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool.log" | tail -8
+done
+
+echo "== cuda_bench"
+"$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
