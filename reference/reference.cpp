@@ -58,7 +58,7 @@ Schedule plan(const Shape& s, const Options& options) {
   std::int64_t rows = options.chunk_rows;
   if (rows <= 0) {
     rows = std::max<std::int64_t>(1, piece_bytes / row_bytes);
-    if (options.gradients && 2 * s.T * row_bytes <= whole_pair_bytes) rows = std::max(rows, 2 * s.T);
+    if (options.gradients && s.T <= whole_pair_bytes / (2 * row_bytes)) rows = std::max(rows, 2 * s.T);
   }
   if (rows >= 2 * s.T) {
     const std::int64_t pairs = std::min(s.P(), rows / (2 * s.T));

@@ -20,21 +20,19 @@ constexpr double u32 = 0x1.0p-24;
 // margin it leaves.
 constexpr double scalar_safety = 4.0;
 
-// Gradients: the candidate's error has three parts, which add in quadrature (they are independent):
-//   its own final rounding to the output dtype          ~ floor (measured on the exact values)
-//   bf16 GEMM operands (dz, as tensor cores need them)  ~ expected_rounding_error(bf16) relative
-//   fp32 accumulation over the reduction length K       ~ sqrt(K) u32 relative
-// frob_bound = gradient_safety * sqrt(floor^2 + op^2) * (1 + small_sample / sqrt(n)) + accumulation_safety *
-// sqrt(K) u32. The small-sample term: with n elements the measured floor and the candidate's own rounding
-// error are each sums of n random terms; their ratio fluctuates by ~1/sqrt(n), and a tensor of 3 elements can
-// have a floor near 0 by chance.
+// Gradients: the candidate's error has four parts (README "Error model"):
+//   its own final rounding to the output dtype: the floor, measured on the exact values (floor_abs)
+//   bf16 GEMM operands (dz, as tensor cores need them): each dz element off by <= expected_rounding_error(bf16)
+//     relative, independently, so the gradient moves by ~ op * M (M: ProblemScales::gradient_magnitude)
+//   fp32 logit and log-sum-exp noise: each dz moves by |k| e_l:                      e_l * M
+//   fp32 accumulation over the reduction length K:                                  sqrt(K) u32 * 2 M
+// bound_abs = gradient_safety (1 + small_sample / sqrt(n)) hypot(floor_abs, op M) + scalar_safety e_l M +
+// accumulation_safety sqrt(K) u32 2 M. The first two add in quadrature (independent roundings); the
+// small-sample factor covers the ~1/sqrt(n) fluctuation of a norm over n elements (a 2-element tensor can have a
+// floor near 0 by chance).
 constexpr double gradient_safety = 1.5;
 constexpr double small_sample = 3.0;
 constexpr double accumulation_safety = 4.0;
-// Elementwise, a gradient element may be off by the rms error the Frobenius bound allows times the largest
-// |Gaussian| among n draws (sqrt(2 ln 2n)), times elementwise_safety for the heavier-than-Gaussian tails of
-// errors in rows that are large (target rows of grad_weight).
-constexpr double elementwise_safety = 4.0;
 
 double round_to(DType dtype, double v) {
   switch (dtype) {
@@ -104,28 +102,87 @@ double unit_roundoff(DType d) {
 // m log-uniform on [1, 2), E[1/m^2] = 3 / (8 ln 2). So rms = u sqrt(1 / (8 ln 2)).
 double expected_rounding_error(DType d) { return unit_roundoff(d) * std::sqrt(1.0 / (8.0 * std::log(2.0))); }
 
-ProblemScales ProblemScales::of(const Problem& p) {
+ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
   ProblemScales s;
   s.shape = p.shape;
   s.hp = p.hp;
-  const std::int64_t H = p.shape.H;
-  auto max_row_norm = [H](const std::vector<bf16>& m) {
-    double best = 0;
-    for (std::size_t r = 0; r + static_cast<std::size_t>(H) <= m.size(); r += static_cast<std::size_t>(H)) {
-      double sq = 0;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const double v = static_cast<float>(m[r + static_cast<std::size_t>(h)]);
-        sq += v * v;
-      }
-      best = std::max(best, sq);
+  const Shape& sh = p.shape;
+  const std::int64_t H = sh.H;
+  auto row_norm = [H](const std::vector<bf16>& m, std::int64_t r) {
+    double sq = 0;
+    for (std::int64_t h = 0; h < H; ++h) {
+      const double v = static_cast<float>(m[static_cast<std::size_t>(r * H + h)]);
+      sq += v * v;
     }
-    return std::sqrt(best);
+    return std::sqrt(sq);
   };
-  double max_bias = 0;
+  double max_x = 0, max_w = 0, max_bias = 0;
+  std::vector<double> x_norm(static_cast<std::size_t>(sh.N()));
+  for (std::int64_t r = 0; r < sh.N(); ++r) max_x = std::max(max_x, x_norm[static_cast<std::size_t>(r)] = row_norm(p.x, r));
+  for (std::int64_t v = 0; v < sh.V; ++v) max_w = std::max(max_w, row_norm(p.weight, v));
   if (p.bias)
     for (auto b : *p.bias) max_bias = std::max(max_bias, std::fabs(static_cast<double>(static_cast<float>(b))));
-  s.logit_bound = max_row_norm(p.x) * max_row_norm(p.weight) + max_bias;
+  s.logit_bound = max_x * max_w + max_bias;
+
+  if (!exact || !exact->count(output_name::chosen_logps) || !exact->count(output_name::rejected_logps)) return s;
+  // k[r] from the exact averages (SPEC "Gradients"): the per-row factor of dz.
+  const Tensor& c = exact->at(output_name::chosen_logps);
+  const Tensor& rj = exact->at(output_name::rejected_logps);
+  const std::int64_t P = sh.P();
+  const auto& hp = p.hp;
+  std::vector<double> avg_grad(static_cast<std::size_t>(sh.B));
+  for (std::int64_t i = 0; i < P && i < c.numel() && i < rj.numel(); ++i) {
+    const double si = hp.beta * (c.value(i) - rj.value(i)) - hp.gamma;
+    const double sig_pos = 1 / (1 + std::exp(-si)), sig_neg = 1 / (1 + std::exp(si));
+    const double g = (-(1 - hp.label_smoothing) * sig_neg + hp.label_smoothing * sig_pos) / static_cast<double>(P);
+    avg_grad[static_cast<std::size_t>(i)] = hp.beta * g;
+    avg_grad[static_cast<std::size_t>(P + i)] = -hp.beta * g;
+  }
+  std::vector<std::int64_t> n(static_cast<std::size_t>(sh.B), 0);
+  std::int64_t chosen_tokens = 0;
+  for (std::int64_t b = 0; b < sh.B; ++b)
+    for (std::int64_t t = 0; t < sh.T; ++t)
+      if (p.is_completion(b, t)) ++n[static_cast<std::size_t>(b)], chosen_tokens += b < P;
+  const double nll_weight =
+      hp.compute_nll_loss && chosen_tokens > 0 ? hp.alpha / static_cast<double>(chosen_tokens) : 0.0;
+  double k_sq = 0, kx_sq = 0;
+  for (std::int64_t b = 0; b < sh.B; ++b) {
+    const std::int64_t nb = n[static_cast<std::size_t>(b)];
+    if (nb == 0) continue;
+    const double k = hp.grad_scale * (avg_grad[static_cast<std::size_t>(b)] / static_cast<double>(nb) - (b < P ? nll_weight : 0.0));
+    for (std::int64_t t = 0; t < sh.T; ++t) {
+      if (!p.is_completion(b, t)) continue;
+      const double xn = x_norm[static_cast<std::size_t>(b * sh.T + t)];
+      k_sq += k * k;
+      kx_sq += k * k * xn * xn;
+    }
+  }
+  s.magnitude_grad_x = std::sqrt(k_sq) * max_w;
+  s.magnitude_grad_weight = std::sqrt(kx_sq);
+  s.magnitude_grad_bias = std::sqrt(k_sq);
   return s;
+}
+
+double ProblemScales::gradient_magnitude(const std::string& name) const {
+  if (name == output_name::grad_x) return magnitude_grad_x;
+  if (name == output_name::grad_weight) return magnitude_grad_weight;
+  if (name == output_name::grad_bias) return magnitude_grad_bias;
+  return 0;
+}
+
+double ProblemScales::logprob_error() const {
+  const double Z = logit_bound;
+  const double H = static_cast<double>(shape.H), V = static_cast<double>(shape.V);
+  const double e_z = std::sqrt(H) * u32 * Z;
+  const double e_lse = e_z + u32 * (2 * std::sqrt(V) + Z + std::log(V));
+  return e_z + e_lse;
+}
+
+double gradient_internal_error(const ProblemScales& scales, const std::string& name) {
+  const double M = scales.gradient_magnitude(name);
+  const double K = static_cast<double>(reduction_length(scales.shape, name));
+  return expected_rounding_error(DType::BF16) * M + scalar_safety * scales.logprob_error() * M +
+         accumulation_safety * std::sqrt(K) * u32 * 2 * M;
 }
 
 // Forward error of the fp32 pipeline, per quantity (README "Error model" has the derivation):
@@ -256,12 +313,17 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
     r.atol = b.atol;
     if (b.frob_bound >= 0) {
       const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
-      const double op = expected_rounding_error(DType::BF16);
+      const double M = scales.gradient_magnitude(name);
+      const double op = expected_rounding_error(DType::BF16) * M;
+      const double floor_abs = std::sqrt(sum_floor_sq);
       const double K = static_cast<double>(reduction_length(scales.shape, name));
-      r.frob_bound = gradient_safety * std::hypot(r.floor, op) * (1 + small_sample / std::sqrt(nn)) +
-                     accumulation_safety * std::sqrt(K) * u32;
-      const double rms = norm / std::sqrt(nn);
-      r.atol = elementwise_safety * std::sqrt(2 * std::log(2 * nn)) * r.frob_bound * rms;
+      const double bound_abs = gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
+                               scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M;
+      r.frob_bound = norm > 0 ? bound_abs / norm : 0.0;
+      // Elementwise: the whole internal budget may land on one element (a Frobenius norm bounds every element);
+      // the element's own rounding is rtol.
+      r.atol = gradient_safety * gradient_internal_error(scales, name);
+      if (norm == 0) r.frob_bound = -1;  // all-zero exact gradient: judged elementwise (atol = 0 when k = 0)
     }
   } else {
     r.rtol = profile.rtol;
@@ -293,7 +355,7 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
 }  // namespace
 
 Report compare(const Problem& problem, const TensorMap& exact, const TensorMap& candidate, const Profile& profile) {
-  return compare(ProblemScales::of(problem), exact, candidate, profile);
+  return compare(ProblemScales::of(problem, &exact), exact, candidate, profile);
 }
 
 Report compare(const ProblemScales& scales, const TensorMap& exact, const TensorMap& candidate,

@@ -41,8 +41,21 @@ struct ProblemScales {
   // Bound on |z| and on sum_h |x_h w_vh| for every logit: max_r ||x_r|| * max_v ||w_v|| + max |bias|
   // (Cauchy-Schwarz), the magnitude fp32 rounding in the logits and the row log-sum-exp is relative to.
   double logit_bound = 0;
-  static ProblemScales of(const Problem&);
+  // Gradients: the size of the GEMM operands behind each one, from k[r] (SPEC's per-row factor, computed from
+  // the exact chosen/rejected log-probs): dz[r, :] has |dz| summed over v <= 2 |k[r]| and norm <= 2 |k[r]|, so
+  //   grad_x:      M = ||k|| max_v ||w_v||     grad_weight: M = sqrt(sum_r k[r]^2 ||x_r||^2)     grad_bias: M = ||k||
+  // bound the Frobenius norm of any error made relatively small in each dz element, whatever cancels in the sum.
+  // Zero until `exact` is given.
+  double magnitude_grad_x = 0, magnitude_grad_weight = 0, magnitude_grad_bias = 0;
+  double gradient_magnitude(const std::string& output_name) const;
+  // The error of the fp32 token log-prob (README derivation), which also perturbs each dz by |k| e_l.
+  double logprob_error() const;
+  static ProblemScales of(const Problem&, const TensorMap* exact = nullptr);
 };
+
+// The Frobenius norm of the error an fp32-accumulating implementation with bf16 GEMM operands may make in
+// gradient `name` before its own final rounding: operand rounding + logit noise + accumulation order.
+double gradient_internal_error(const ProblemScales&, const std::string& name);
 
 // The strict tolerances for one output tensor of a candidate with dtype `candidate_dtype`.
 struct StrictBounds {
@@ -91,6 +104,7 @@ struct Report {
 // Judges `candidate` against `exact` (the reference's outputs for `problem`). The tensors expected are exactly
 // those in `exact`; a candidate tensor `exact` lacks fails as unexpected (e.g. grad_bias without a bias).
 Report compare(const Problem&, const TensorMap& exact, const TensorMap& candidate, const Profile&);
+// With scales already measured (ProblemScales::of(problem, &exact)).
 Report compare(const ProblemScales&, const TensorMap& exact, const TensorMap& candidate, const Profile&);
 
 std::string format_table(const Report&);  // one row per tensor, then the verdict line

@@ -89,9 +89,9 @@ Case shrink(const Case&, const Implementation&, const std::string& property, int
 // Writes the case's inputs file (replayable with `simpo-verify check`) and returns the replay commands.
 std::string write_counterexample(const Case&, const std::string& impl, const std::string& path);
 
-// "Agree to fp32 noise": two runs of fp32-accumulating code that differ only in summation order. Scalars and
-// per-pair outputs within twice their strict tolerance; gradients within one ulp of their dtype plus
-// sqrt(K) u32 noise. Returns what differs, or nothing.
+// Two runs of fp32-accumulating code that differ only in summation order and chunking agree: scalars and
+// per-pair outputs within twice their strict tolerance (fp32 noise); gradients within twice the internal error
+// budget (gradient_internal_error) plus the output-rounding flips it can cause. Returns what differs, or nothing.
 std::optional<std::string> disagreement(const ProblemScales&, const std::string& name, const Tensor& a,
                                         const Tensor& b);
 

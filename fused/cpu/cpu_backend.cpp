@@ -39,6 +39,21 @@ bool needs_all_pairs_at_once(Mutant m) {
   return m == Mutant::pairs_interleaved || m == Mutant::pairs_split_across_chunks;
 }
 
+// sum_v exp(z_v - max) in fp32, reduced the way a GPU block reduces a row: 256 lanes each sum a strided
+// share in order, then a pairwise tree over the lanes. One running fp32 sum over V terms drifts by ~sqrt(V)
+// roundings (5e-6 relative at V = 8000: enough to cost logps their 5e-7 bar); this is ~sqrt(V/256) + 8.
+float sum_of_exp(const float* z, Eigen::Index V, float max) {
+  constexpr Eigen::Index lanes = 256;
+  float lane[lanes] = {};
+  for (Eigen::Index base = 0; base < V; base += lanes) {
+    const Eigen::Index width = std::min(lanes, V - base);
+    for (Eigen::Index j = 0; j < width; ++j) lane[j] += std::exp(z[base + j] - max);
+  }
+  for (Eigen::Index half = lanes / 2; half > 0; half /= 2)
+    for (Eigen::Index j = 0; j < half; ++j) lane[j] += lane[j + half];
+  return lane[0];
+}
+
 class Run {
  public:
   Run(const Problem& problem, const Options& options)
@@ -158,7 +173,7 @@ class Run {
         for (Eigen::Index v = 0; v < V; ++v) narrow = bf16(static_cast<float>(narrow) + std::exp(z[v] - max));
         sum_exp = static_cast<float>(narrow);
       } else {
-        for (Eigen::Index v = 0; v < V; ++v) sum_exp += std::exp(z[v] - max);
+        sum_exp = sum_of_exp(z, V, max);
       }
       double rowsum = 0;
       for (Eigen::Index v = 0; v < V; ++v) rowsum += z[v];
@@ -259,11 +274,12 @@ class Run {
     }
   }
 
-  // MUTANT grad_x_in_input_buffer: D W computed over vocabulary blocks with the running grad_x parked in a
-  // bf16 buffer (the input's dtype) between blocks, the gather added last: one bf16 rounding per block.
+  // MUTANT grad_x_in_input_buffer: D W computed over vocabulary tiles of 16 columns (as a kernel tiling V
+  // would) with the running grad_x parked in a bf16 buffer (the input's dtype) between tiles, the gather added
+  // last: one bf16 rounding of the running sum per tile, V/16 of them.
   template <class DBlock> void grad_x_parked_in_bf16(const DBlock& D) {
     const Eigen::Index R = D.rows(), H = shape_.H, V = shape_.V;
-    const Eigen::Index blocks = std::min<Eigen::Index>(8, V), block = (V + blocks - 1) / blocks;
+    const Eigen::Index block = 16;
     MatrixF parked = MatrixF::Zero(R, H);
     for (Eigen::Index v0 = 0; v0 < V; v0 += block) {
       const Eigen::Index width = std::min(block, V - v0);

@@ -36,7 +36,7 @@ struct DeviceProblem {
 
 struct DeviceGradients {
   __nv_bfloat16* grad_x = nullptr;            // [N, H], the output
-  float* grad_weight = nullptr;               // [V, ld_h] fp32 accumulator; run() zeroes it first
+  float* grad_weight = nullptr;               // [V, ld_h] fp32 accumulator; run() overwrites it
   float* grad_bias = nullptr;                 // [V] fp32, or nullptr without a bias; run() zeroes it first
   __nv_bfloat16* grad_weight_bf16 = nullptr;  // [V, H] or nullptr: when set, run() rounds the accumulator into it
   __nv_bfloat16* grad_bias_bf16 = nullptr;    // [V] or nullptr, likewise

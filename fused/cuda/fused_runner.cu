@@ -118,10 +118,9 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   float* grad_x_part = reinterpret_cast<float*>(base + layout.grad_x);
 
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(completion_tokens, p.targets.n.data(), B * 8, cudaMemcpyHostToDevice, stream_));
-  if (g) {
-    SIMPO_CUDA_CHECK(cudaMemsetAsync(g->grad_weight, 0, V * ld_h * 4, stream_));
-    if (g->grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g->grad_bias, 0, V * 4, stream_));
-  }
+  // grad_weight needs no clearing: the first weight GEMM writes it with beta = 0 (every chunk has rows).
+  if (g && g->grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g->grad_bias, 0, V * 4, stream_));
+  bool first_weight_gemm = true;
 
   const PairParams pair_params{T, P, hp.ignore_index, hp.beta, hp.gamma, hp.label_smoothing};
   const double nll_weight =
@@ -151,7 +150,9 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       launch_dz(part_logits(part, offset), coefficients, row_max, lse, z_target, dz_part, ld_v, target_coef,
                 stream_);
       gemms_->grad_x(rows, V, ld_h, dz_part, ld_v, p.weight, gx);
-      gemms_->accumulate_grad_weight(rows, V, ld_h, dz_part, ld_v, p.x + part.begin * ld_h, g->grad_weight);
+      gemms_->accumulate_grad_weight(rows, V, ld_h, dz_part, ld_v, p.x + part.begin * ld_h, g->grad_weight,
+                                     /*overwrite=*/first_weight_gemm);
+      first_weight_gemm = false;
       launch_grad_x_finish(gx, rows, part.begin, H, ld_h, p.weight, p.target, target_coef, g->grad_x, stream_);
       launch_target_scatter(p.x, rows, part.begin, H, ld_h, p.target, target_coef, g->grad_weight, g->grad_bias,
                             stream_);

@@ -127,9 +127,10 @@ void Gemms::grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const _
 // Row-major grad_W[V, ld_h] += dz^T x is column-major grad_W^T[ld_h, V] += x^T(col-major [ld_h, rows]) dz
 // (dz^T is col-major [V, rows], transposed to [rows, V]).
 void Gemms::accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
-                                   std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight) {
+                                   std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight,
+                                   bool overwrite) {
   if (rows == 0) return;
-  gemm(false, true, ld_h, V, rows, x, ld_h, dz, ld_dz, 1.0f, grad_weight, ld_h);
+  gemm(false, true, ld_h, V, rows, x, ld_h, dz, ld_dz, overwrite ? 0.0f : 1.0f, grad_weight, ld_h);
 }
 
 }  // namespace simpo::fused::cuda

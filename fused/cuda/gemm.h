@@ -34,9 +34,10 @@ class Gemms {
   // grad_x[rows, ld_h] = dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero).
   void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz, std::int64_t ld_dz,
               const __nv_bfloat16* weight, float* grad_x);
-  // grad_weight[V, ld_h] += dz[rows, V]^T x[rows, ld_h]: beta = 1, the fp32 accumulator across chunks.
+  // grad_weight[V, ld_h] (+)= dz[rows, V]^T x[rows, ld_h]: the fp32 accumulator across chunks (beta = 1), or
+  // its first term (beta = 0, `overwrite`), which saves clearing V*H*4 bytes beforehand.
   void accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
-                              std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight);
+                              std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight, bool overwrite = false);
 
   // How many calls took the cublasGemmEx fallback (tests and the benchmark report it).
   int fallback_calls() const { return fallback_calls_; }

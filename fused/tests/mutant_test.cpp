@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <iostream>
+#include <string>
 
 namespace simpo::fused {
 namespace {
@@ -17,6 +19,10 @@ struct MutantCase {
   Problem problem;
   Options options;
   double logit_scale = 2.0;
+  // Judge the gradients alone. For sequences of confident tokens only (logps near 0) the 5e-7 relative bar on
+  // logps is out of any fp32-logit method's reach: l ~ -sum_v exp(z_v - z_max) has the logits' absolute error
+  // (~ulp(30) = 2e-6 at scale 30) as its relative error. The bar was set for the generator's random targets.
+  bool gradients_only = false;
 };
 
 // Retarget every completion position to its row's argmax logit (computed in double), so p_target is near 1:
@@ -60,6 +66,9 @@ MutantCase case_for(Mutant mutant) {
       spec.ignore = IgnorePattern::empty_sequence;
       spec.hp.empty_sequence = EmptySequence::zero;
       break;
+    case Mutant::grad_x_in_input_buffer:
+      spec.shape.V = 1024;  // 64 tiles of 16 columns: 64 roundings of the running grad_x
+      break;
     case Mutant::weight_grad_bf16_accumulation:
       c.options.max_chunk_rows = 4;  // 16 chunks: 16 bf16 roundings of the running sum
       break;
@@ -67,7 +76,10 @@ MutantCase case_for(Mutant mutant) {
   }
   c.logit_scale = spec.logit_scale;
   c.problem = generate(spec);
-  if (mutant == Mutant::softmax_rounded_before_onehot) target_the_argmax(c.problem);
+  if (mutant == Mutant::softmax_rounded_before_onehot) {
+    target_the_argmax(c.problem);
+    c.gradients_only = true;
+  }
   return c;
 }
 
@@ -77,13 +89,19 @@ TEST_P(EveryMutant, MissesTheBarWhereTheCorrectBackendMeetsIt) {
   const MutantCase c = case_for(GetParam());
   const TensorMap exact = reference::compute(c.problem);
   const double mean_tolerance = 1e-6 * c.logit_scale;  // as in cpu_backend_test.cpp
+  auto misses = [&](const TensorMap& out) {
+    auto all = testing::bar_violations(out, exact, mean_tolerance);
+    if (c.gradients_only)
+      std::erase_if(all, [](const std::string& m) { return !is_gradient_output(m.substr(0, m.find_first_of(":["))); });
+    return all;
+  };
 
   Options correct = c.options;
   correct.mutant = Mutant::none;
-  const auto correct_misses = testing::bar_violations(compute(c.problem, correct), exact, mean_tolerance);
+  const auto correct_misses = misses(compute(c.problem, correct));
   EXPECT_TRUE(correct_misses.empty()) << "the unmutated backend misses the bar: " << correct_misses.front();
 
-  const auto mutant_misses = testing::bar_violations(compute(c.problem, c.options), exact, mean_tolerance);
+  const auto mutant_misses = misses(compute(c.problem, c.options));
   ASSERT_FALSE(mutant_misses.empty()) << mutant_name(GetParam()) << " was not caught";
   for (const auto& m : mutant_misses) std::cout << "  " << mutant_name(GetParam()) << ": " << m << "\n";
 }

@@ -8,10 +8,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
 namespace simpo {
+
+// gtest prints parameters with this (found by argument-dependent lookup): "prompt_prefix", not raw bytes.
+void PrintTo(IgnorePattern pattern, std::ostream* os) { *os << ignore_pattern_name(pattern); }
+
 namespace {
 
 CaseSpec spec_of(Shape shape, IgnorePattern ignore, std::uint64_t seed) {

@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   app.add_flag("--bias", spec.bias, "give the LM head a bias");
   app.add_option("--chunk-rows", chunk_rows, "reference::Options::chunk_rows (0: its default)");
   CLI11_PARSE(app, argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a long run logged to a file shows each line as it comes
 
   try {
     const simpo::Shape& s = spec.shape;

@@ -7,7 +7,8 @@ shows up as a disagreement. It recomputes every fixture and compares with the st
 
     simpo_numpy.py                          every fixtures/cases/<name>.inputs.safetensors of this tree
     simpo_numpy.py --cases-dir DIR          every <name>.inputs.safetensors in DIR
-    simpo_numpy.py --inputs IN --outputs OUT   one pair (OUT may be any implementation's outputs)
+    simpo_numpy.py --inputs IN --outputs OUT   one pair (any float64 implementation's outputs: the bound
+                                               below is float64's, so an f32/bf16 candidate fails it)
 
 Exit 0 when every tensor agrees, 1 on any mismatch (or a missing tensor, wrong shape, NaN), 2 on unreadable
 input, 77 when a cases directory holds no case (ctest reports it as skipped, never as passed).
@@ -296,7 +297,8 @@ def main():
             if not check_pair(case, inputs, outputs, rows):
                 failed.append(case)
     except BadInput as e:
-        print_table(rows)
+        if rows:
+            print_table(rows)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_table(rows)

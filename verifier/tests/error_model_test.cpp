@@ -121,11 +121,12 @@ TEST(ErrorModel, GradientTwiceTheFloorFailsStrictButPassesPeer) {
   EXPECT_EQ(find(compare(f.problem, f.exact, c, peer_profile()), "grad_weight").verdict, Verdict::passed);
 }
 
-TEST(ErrorModel, LossOffByTenMicroRelativeFailsStrict) {
+TEST(ErrorModel, LossOffByOnePerMilleFailsStrict) {
   const auto& f = fixture();
   TensorMap c = rounded(f.exact);
   const double loss = f.exact.at("loss").value(0);
-  c["loss"] = Tensor::scalar<float>(static_cast<float>(loss * (1 + 1e-5)));
+  c["loss"] = Tensor::scalar<float>(static_cast<float>(loss * (1 + 1e-3)));
+  // 1e-3 is what a bf16 accumulator in the row sum of exp does (the narrow_row_accumulator mutant).
   const auto& t = find(compare(f.problem, f.exact, c, strict_profile()), "loss");
   EXPECT_EQ(t.verdict, Verdict::failed) << "atol " << t.atol << " rtol " << t.rtol;
   // and a 1e-6 relative error (a few fp32 ulps) passes
