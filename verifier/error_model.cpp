@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <Eigen/Dense>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -22,8 +24,10 @@ constexpr double scalar_safety = 4.0;
 
 // Gradients: the candidate's error has four parts (README "Error model"):
 //   its own final rounding to the output dtype: the floor, measured on the exact values (floor_abs)
-//   bf16 GEMM operands (dz, as tensor cores need them): each dz element off by <= expected_rounding_error(bf16)
-//     relative, independently, so the gradient moves by ~ op * M (M: ProblemScales::gradient_magnitude)
+//   bf16 GEMM operands (dz, as tensor cores need them): each dz element rounds with relative error of rms
+//     u(bf16) / sqrt(3) at most (mantissa 1.0; expected_rounding_error is the typical 0.42 u, but k is the same
+//     for every row of a sequence, so with a peaked softmax many dz share one mantissa and one rounding error),
+//     moving the gradient by ~ operand_rounding * M (M: ProblemScales::gradient_magnitude)
 //   fp32 logit and log-sum-exp noise: each dz moves by |k| e_l:                      e_l * M
 //   fp32 accumulation over the reduction length K:                                  sqrt(K) u32 * 2 M
 // bound_abs = gradient_safety (1 + small_sample / sqrt(n)) hypot(floor_abs, op M) + scalar_safety e_l M +
@@ -31,6 +35,7 @@ constexpr double scalar_safety = 4.0;
 // small-sample factor covers the ~1/sqrt(n) fluctuation of a norm over n elements (a 2-element tensor can have a
 // floor near 0 by chance).
 constexpr double gradient_safety = 1.5;
+const double operand_rounding = 0x1.0p-8 / std::sqrt(3.0);
 constexpr double small_sample = 3.0;
 constexpr double accumulation_safety = 4.0;
 
@@ -102,6 +107,44 @@ double unit_roundoff(DType d) {
 // m log-uniform on [1, 2), E[1/m^2] = 3 / (8 ln 2). So rms = u sqrt(1 / (8 ln 2)).
 double expected_rounding_error(DType d) { return unit_roundoff(d) * std::sqrt(1.0 / (8.0 * std::log(2.0))); }
 
+namespace {
+
+// Upper bounds on q[r] = 1 - p_target for every completion row (1 for ignored rows, which have k = 0 anyway):
+// fp32 logits in row chunks of <= 64 MiB, lse and l in double from them, q = -expm1(l) + 2 e_l (the fp32
+// logits' derived error, so the bound holds), capped at 1.
+std::vector<double> off_target_mass(const Problem& p, double logprob_error) {
+  const Shape& s = p.shape;
+  std::vector<double> q(static_cast<std::size_t>(s.N()), 1.0);
+  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Matrix w(s.V, s.H);
+  for (std::int64_t i = 0; i < s.V * s.H; ++i) w.data()[i] = static_cast<float>(p.weight[static_cast<std::size_t>(i)]);
+  const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(s.N(), (std::int64_t{64} << 20) / (4 * s.V)));
+  for (std::int64_t r0 = 0; r0 < s.N(); r0 += rows) {
+    const std::int64_t m = std::min(rows, s.N() - r0);
+    Matrix x(m, s.H);
+    for (std::int64_t i = 0; i < m * s.H; ++i) x.data()[i] = static_cast<float>(p.x[static_cast<std::size_t>(r0 * s.H + i)]);
+    Matrix z = x * w.transpose();
+    for (std::int64_t i = 0; i < m; ++i) {
+      const std::int64_t r = r0 + i;
+      const std::int64_t target = p.target[static_cast<std::size_t>(r)];
+      if (target == p.hp.ignore_index || target < 0 || target >= s.V) continue;
+      double zmax = -INFINITY;
+      std::vector<double> row(static_cast<std::size_t>(s.V));
+      for (std::int64_t v = 0; v < s.V; ++v) {
+        row[static_cast<std::size_t>(v)] = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>((*p.bias)[static_cast<std::size_t>(v)])) : 0.0);
+        zmax = std::max(zmax, row[static_cast<std::size_t>(v)]);
+      }
+      double sum = 0;
+      for (double zv : row) sum += std::exp(zv - zmax);
+      const double l = row[static_cast<std::size_t>(target)] - zmax - std::log(sum);
+      q[static_cast<std::size_t>(r)] = std::min(1.0, -std::expm1(std::min(l, 0.0)) + 2 * logprob_error);
+    }
+  }
+  return q;
+}
+
+}  // namespace
+
 ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
   ProblemScales s;
   s.shape = p.shape;
@@ -145,21 +188,33 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
       if (p.is_completion(b, t)) ++n[static_cast<std::size_t>(b)], chosen_tokens += b < P;
   const double nll_weight =
       hp.compute_nll_loss && chosen_tokens > 0 ? hp.alpha / static_cast<double>(chosen_tokens) : 0.0;
-  double k_sq = 0, kx_sq = 0;
+  const std::vector<double> q = off_target_mass(p, s.logprob_error());
+  s.row_k.assign(static_cast<std::size_t>(sh.N()), 0.0);
+  s.row_q.assign(static_cast<std::size_t>(sh.N()), 0.0);
+  s.max_weight_norm = max_w;
+  double k_sq = 0, kx_sq = 0, kq_sq = 0, kqx_sq = 0;
   for (std::int64_t b = 0; b < sh.B; ++b) {
     const std::int64_t nb = n[static_cast<std::size_t>(b)];
     if (nb == 0) continue;
     const double k = hp.grad_scale * (avg_grad[static_cast<std::size_t>(b)] / static_cast<double>(nb) - (b < P ? nll_weight : 0.0));
     for (std::int64_t t = 0; t < sh.T; ++t) {
       if (!p.is_completion(b, t)) continue;
-      const double xn = x_norm[static_cast<std::size_t>(b * sh.T + t)];
+      const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
+      const double xn = x_norm[r], kq = k * q[r];
+      s.row_k[r] = std::fabs(k);
+      s.row_q[r] = q[r];
       k_sq += k * k;
       kx_sq += k * k * xn * xn;
+      kq_sq += kq * kq;
+      kqx_sq += kq * kq * xn * xn;
     }
   }
   s.magnitude_grad_x = std::sqrt(k_sq) * max_w;
   s.magnitude_grad_weight = std::sqrt(kx_sq);
   s.magnitude_grad_bias = std::sqrt(k_sq);
+  s.operand_grad_x = std::sqrt(kq_sq) * max_w;
+  s.operand_grad_weight = std::sqrt(kqx_sq);
+  s.operand_grad_bias = std::sqrt(kq_sq);
   return s;
 }
 
@@ -167,6 +222,13 @@ double ProblemScales::gradient_magnitude(const std::string& name) const {
   if (name == output_name::grad_x) return magnitude_grad_x;
   if (name == output_name::grad_weight) return magnitude_grad_weight;
   if (name == output_name::grad_bias) return magnitude_grad_bias;
+  return 0;
+}
+
+double ProblemScales::operand_magnitude(const std::string& name) const {
+  if (name == output_name::grad_x) return operand_grad_x;
+  if (name == output_name::grad_weight) return operand_grad_weight;
+  if (name == output_name::grad_bias) return operand_grad_bias;
   return 0;
 }
 
@@ -181,7 +243,7 @@ double ProblemScales::logprob_error() const {
 double gradient_internal_error(const ProblemScales& scales, const std::string& name) {
   const double M = scales.gradient_magnitude(name);
   const double K = static_cast<double>(reduction_length(scales.shape, name));
-  return expected_rounding_error(DType::BF16) * M + scalar_safety * scales.logprob_error() * M +
+  return operand_rounding * scales.operand_magnitude(name) + scalar_safety * scales.logprob_error() * M +
          accumulation_safety * std::sqrt(K) * u32 * 2 * M;
 }
 
@@ -314,7 +376,7 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
     if (b.frob_bound >= 0) {
       const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
       const double M = scales.gradient_magnitude(name);
-      const double op = expected_rounding_error(DType::BF16) * M;
+      const double op = operand_rounding * scales.operand_magnitude(name);
       const double floor_abs = std::sqrt(sum_floor_sq);
       const double K = static_cast<double>(reduction_length(scales.shape, name));
       const double bound_abs = gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
@@ -330,6 +392,35 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
     r.atol = profile.atol;
   }
 
+  // Strict grad_x, row by row: row r's error against the same budget built from its own floor and |k[r]|, q[r].
+  if (profile.kind == ProfileKind::strict && name == output_name::grad_x && !scales.row_k.empty()) {
+    const std::int64_t H = scales.shape.H;
+    const double e_l = scales.logprob_error(), W = scales.max_weight_norm;
+    const double row_sample = 1 + small_sample / std::sqrt(static_cast<double>(H));
+    const double acc = accumulation_safety * std::sqrt(static_cast<double>(scales.shape.V)) * u32 * 2;
+    double worst_row_margin = 0;
+    for (std::int64_t row = 0; row < scales.shape.N(); ++row) {
+      double err_sq = 0, floor_sq = 0;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double e = exact.value(row * H + h), c = cand.value(row * H + h);
+        const double fl = round_to(cand.dtype, e) - e;
+        err_sq += (c - e) * (c - e);
+        floor_sq += fl * fl;
+      }
+      const double k = scales.row_k[static_cast<std::size_t>(row)], q = scales.row_q[static_cast<std::size_t>(row)];
+      const double bound = gradient_safety * row_sample * std::hypot(std::sqrt(floor_sq), operand_rounding * k * q * W) +
+                           scalar_safety * e_l * k * W + acc * k * W;
+      const double err = std::sqrt(err_sq);
+      const double m = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
+      if (err > bound) ++r.rows_beyond;
+      if (m > worst_row_margin) {
+        worst_row_margin = m;
+        r.worst_row = "(" + std::to_string(row / scales.shape.T) + ", " + std::to_string(row % scales.shape.T) + ")";
+      }
+    }
+    r.margin = std::max(r.margin, worst_row_margin);
+  }
+
   // Pass 2: elements beyond the elementwise tolerance, and the margin.
   double worst_elementwise = 0;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -339,13 +430,15 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
     if (err > allowed) ++r.beyond;
     worst_elementwise = std::max(worst_elementwise, allowed > 0 ? err / allowed : (err > 0 ? INFINITY : 0.0));
   }
-  r.margin = worst_elementwise;
+  r.margin = std::max(r.margin, worst_elementwise);
   if (r.frob_bound >= 0) r.margin = std::max(r.margin, r.frob_bound > 0 ? r.rel_frob / r.frob_bound : 0.0);
 
   if (r.beyond > 0)
     return fail(std::to_string(r.beyond) + " of " + std::to_string(n) + " beyond atol " + sci(r.atol) + " + rtol " +
                 sci(r.rtol) + " |exact|; worst at " + r.max_abs_at + ": " + sci(r.candidate_at_max, 6) + " vs " +
                 sci(r.reference_at_max, 6));
+  if (r.rows_beyond > 0)
+    return fail(std::to_string(r.rows_beyond) + " token rows beyond their own bound, worst row " + r.worst_row);
   if (r.frob_bound >= 0 && r.rel_frob > r.frob_bound)
     return fail("rel_frob " + sci(r.rel_frob) + " > bound " + sci(r.frob_bound) + " (" + sci(r.ratio) + " x floor)");
   r.verdict = Verdict::passed;
@@ -450,6 +543,7 @@ std::string format_json(const Report& report) {
       e["frob_bound"] = t.frob_bound >= 0 ? number(t.frob_bound) : nlohmann::json(nullptr);
       e["beyond"] = t.beyond;
       e["non_finite"] = t.non_finite;
+      e["rows_beyond"] = t.rows_beyond;
       e["margin"] = number(t.margin);
     }
     j["tensors"].push_back(e);

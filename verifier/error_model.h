@@ -48,6 +48,19 @@ struct ProblemScales {
   // Zero until `exact` is given.
   double magnitude_grad_x = 0, magnitude_grad_weight = 0, magnitude_grad_bias = 0;
   double gradient_magnitude(const std::string& output_name) const;
+  // The same with |k[r]| replaced by |k[r]| q[r], q[r] = 1 - p_target bounding the off-target mass of row r:
+  // the size of the dz elements that go through bf16 (the target column's k (1 - p_t) stays fp32, computed
+  // with expm1). Rounding the target column to bf16 (a bug class, ANCHORS) costs ~ u |k| p_t instead, which is
+  // what makes it visible when p_t is near 1. q comes from fp32 logits recomputed here (O(N H V)), widened by
+  // their derived error so it stays an upper bound.
+  double operand_grad_x = 0, operand_grad_weight = 0, operand_grad_bias = 0;
+  // Per token row r (0 at ignored rows): |k[r]| and q[r], and max_v ||w_v||, for the per-row check of grad_x:
+  // its rows are independent sums over the vocabulary, so a bug confined to a few rows (a token whose target
+  // probability is near 1, a chunk's last row) is judged against that row's own budget, not diluted in the
+  // tensor's norm.
+  std::vector<double> row_k, row_q;
+  double max_weight_norm = 0;
+  double operand_magnitude(const std::string& output_name) const;
   // The error of the fp32 token log-prob (README derivation), which also perturbs each dz by |k| e_l.
   double logprob_error() const;
   static ProblemScales of(const Problem&, const TensorMap* exact = nullptr);
@@ -87,6 +100,8 @@ struct TensorReport {
   double frob_bound = -1;  // -1 when the profile has no Frobenius bound for this tensor
   std::int64_t beyond = 0;
   std::int64_t non_finite = 0;  // NaN/Inf where the reference is finite
+  std::int64_t rows_beyond = 0;  // strict grad_x: token rows beyond their own bound
+  std::string worst_row;         // "(b, t)"
   // max(rel_frob / frob_bound, max_i |err_i| / (atol + rtol |exact_i|)): < 1 passes; how close it came.
   double margin = 0;
 };

@@ -40,7 +40,9 @@ Tensor download(const void* device, DType dtype, std::vector<std::int64_t> shape
 
 }  // namespace
 
-TensorMap compute(const Problem& problem, const Options& options) {
+TensorMap compute(const Problem& problem, const Options& options) { return compute(problem, options, Tuning{}); }
+
+TensorMap compute(const Problem& problem, const Options& options, const Tuning& tuning) {
   if (options.mutant != Mutant::none)
     throw InputError("mutants are implemented by the cpu backend (the cuda backend was asked for mutant " +
                      mutant_name(options.mutant) + ")");
@@ -70,7 +72,7 @@ TensorMap compute(const Problem& problem, const Options& options) {
   device.targets = read_targets(problem);
 
   if (!options.gradients) {
-    const RowStats stats = runner.run(device, nullptr, options);
+    const RowStats stats = runner.run(device, nullptr, options, tuning);
     return forward_outputs(problem, device.targets, stats);
   }
 
@@ -91,7 +93,7 @@ TensorMap compute(const Problem& problem, const Options& options) {
   gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();
   gradients.grad_bias_bf16 = grad_bias_bf16.as<__nv_bfloat16>();
 
-  const RowStats stats = runner.run(device, &gradients, options);
+  const RowStats stats = runner.run(device, &gradients, options, tuning);
   TensorMap out = forward_outputs(problem, device.targets, stats);
 
   out[output_name::grad_x] = download(grad_x.get(), DType::BF16, output_shape(s, output_name::grad_x), stream);

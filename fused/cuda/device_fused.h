@@ -49,6 +49,13 @@ struct RunReport {
   int gemm_fallbacks = 0;            // GEMMs that went to cublasGemmEx instead of cuBLASLt
 };
 
+// Knobs that trade speed for accuracy, off by default (not part of fused::Options yet).
+struct Tuning {
+  // Slices of the logits GEMM's k (see Gemms::logits): 1 is fastest; 4 cuts the fp32 accumulation bias of
+  // the logits, and so the relative error of loss/nll/logps at large H, about fourfold.
+  int logits_k_splits = 1;
+};
+
 class FusedRunner {
  public:
   FusedRunner();
@@ -60,7 +67,7 @@ class FusedRunner {
 
   // Enqueues the whole algorithm on stream() (gradients == nullptr: forward only), then waits once, at the
   // end, for the N rows' statistics. Throws InputError when options.workspace_bytes cannot hold one row.
-  RowStats run(const DeviceProblem&, const DeviceGradients* gradients, const Options&);
+  RowStats run(const DeviceProblem&, const DeviceGradients* gradients, const Options&, const Tuning& = {});
 
   const RunReport& last_report() const { return report_; }
 
@@ -71,5 +78,8 @@ class FusedRunner {
   std::int64_t gemm_bytes_ = 0;  // the cuBLASLt scratch gemms_ was made with
   RunReport report_;
 };
+
+// cuda::compute (cuda_backend.h) with explicit tuning.
+TensorMap compute(const Problem&, const Options&, const Tuning&);
 
 }  // namespace simpo::fused::cuda

@@ -69,7 +69,8 @@ FusedRunner::~FusedRunner() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, const Options& options) {
+RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, const Options& options,
+                          const Tuning& tuning) {
   const Shape& s = p.shape;
   const Hyperparameters& hp = p.hp;
   const std::int64_t N = s.N(), B = s.B, P = s.P(), T = s.T, V = s.V, H = s.H;
@@ -135,7 +136,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
-      gemms_->logits(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, logits + offset * ld_v, ld_v);
+      gemms_->logits(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, logits + offset * ld_v, ld_v,
+                     tuning.logits_k_splits);
       if (with_stats) launch_row_stats(part_logits(part, offset), row_max, lse, z_target, rowsum, stream_);
       offset += part.rows();
     }

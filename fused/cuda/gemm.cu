@@ -2,6 +2,7 @@
 
 #include "fused/cuda/cuda_check.h"
 
+#include <algorithm>
 #include <climits>
 
 namespace simpo::fused::cuda {
@@ -114,8 +115,14 @@ void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
 // Row-major logits[rows, V] = x W^T is column-major logits^T[V, rows] = (W as col-major [ld_h, V])^T x^T,
 // with x^T the col-major [ld_h, rows] view of row-major x.
 void Gemms::logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
-                   const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits) {
-  gemm(/*transpose_a=*/true, /*transpose_b=*/false, V, rows, ld_h, weight, ld_h, x, ld_h, 0.0f, logits, ld_logits);
+                   const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, int k_splits) {
+  // Slices of whole 8-element groups, so every slice's operands stay 16-byte aligned.
+  const std::int64_t slice = (ld_h + 8 * k_splits - 1) / (8 * k_splits) * 8;
+  for (std::int64_t k0 = 0; k0 < ld_h; k0 += slice) {
+    const std::int64_t k = std::min(slice, ld_h - k0);
+    gemm(/*transpose_a=*/true, /*transpose_b=*/false, V, rows, k, weight + k0, ld_h, x + k0, ld_h,
+         k0 == 0 ? 0.0f : 1.0f, logits, ld_logits);
+  }
 }
 
 // Row-major grad_x[rows, ld_h] = dz W is column-major grad_x^T[ld_h, rows] = W^T(col-major [ld_h, V]) dz^T.

@@ -28,9 +28,12 @@ class Gemms {
   Gemms& operator=(const Gemms&) = delete;
 
   // logits[rows, ld_logits] = x[rows, ld_h] weight[V, ld_h]^T, first V columns; k runs over ld_h (the
-  // padding columns of x and weight are zero).
+  // padding columns of x and weight are zero). k_splits > 1 cuts k into that many slices, one GEMM each, summed
+  // in the fp32 epilogue (beta = 1): the tensor cores' fp32 accumulation rounds toward zero, a bias that grows
+  // with the length of k (bench/gemm_accuracy.cu measures it), so slices of k/s leave ~1/s of it, for s - 1
+  // extra passes over the fp32 logits.
   void logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
-              const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits);
+              const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, int k_splits = 1);
   // grad_x[rows, ld_h] = dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero).
   void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz, std::int64_t ld_dz,
               const __nv_bfloat16* weight, float* grad_x);

@@ -1,7 +1,10 @@
-// The shared pieces on their own: the chunk plan (coverage, modes, byte accounting, errors) and the scalar
-// math of simpo_math.h against long double at the extremes where a naive formula breaks.
+// The shared pieces on their own: the chunk plan (coverage, modes, byte accounting, errors), the scalar math
+// of simpo_math.h against long double at the extremes where a naive formula breaks, and forward_outputs'
+// contract on the row stats.
+#include "fused/forward_outputs.h"
 #include "fused/schedule.h"
 #include "fused/simpo_math.h"
+#include "problem/generate.h"
 
 #include <gtest/gtest.h>
 
@@ -139,6 +142,41 @@ TEST(SimpoMath, TargetCoefficientKeepsTheSmallComplement) {
   EXPECT_EQ(math::row_coefficient(1.f, false, 3.f, 5, 0.1f), 0.f);
   EXPECT_EQ(math::row_coefficient(1.f, true, 3.f, 0, 0.1f), 0.f);
   EXPECT_FLOAT_EQ(math::row_coefficient(2.f, true, 3.f, 5, 0.1f), 2.f * (3.f / 5 - 0.1f));
+}
+
+}  // namespace
+}  // namespace simpo::fused
+
+// forward_outputs.h promises that lse and z_target may share any per-row offset (the cpu backend stores them
+// relative to the row max, the cuda backend may not): outputs and k must not depend on it beyond the fp32
+// rounding of the offset values.
+namespace simpo::fused {
+namespace {
+
+TEST(ForwardOutputs, RowStatsOffsetDoesNotMatter) {
+  CaseSpec spec;
+  spec.shape = {.B = 4, .T = 6, .H = 2, .V = 10};
+  spec.seed = 5;
+  const Problem problem = generate(spec);
+  const Targets targets = read_targets(problem);
+  const std::int64_t N = problem.shape.N();
+  RowStats shifted(N), unshifted(N);
+  Rng rng(9);
+  for (std::int64_t r = 0; r < N; ++r) {
+    const float offset = static_cast<float>(8 * rng.normal());  // a row max of the logits' magnitude
+    shifted.lse[r] = static_cast<float>(1 + rng.uniform());
+    shifted.z_target[r] = static_cast<float>(-rng.uniform());
+    unshifted.lse[r] = shifted.lse[r] + offset;
+    unshifted.z_target[r] = shifted.z_target[r] + offset;
+  }
+  const TensorMap a = forward_outputs(problem, targets, shifted), b = forward_outputs(problem, targets, unshifted);
+  for (const auto& [name, t] : a)
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      EXPECT_NEAR(t.value(i), b.at(name).value(i), 1e-5 * (1 + std::abs(t.value(i)))) << name;  // ulp(8+2) ~ 1e-6
+  std::vector<float> ka(N), kb(N);
+  row_coefficients(problem, targets, shifted, 0, problem.shape.P(), Mutant::none, ka);
+  row_coefficients(problem, targets, unshifted, 0, problem.shape.P(), Mutant::none, kb);
+  for (std::int64_t r = 0; r < N; ++r) EXPECT_NEAR(ka[r], kb[r], 1e-5 * std::abs(ka[r]) + 1e-12) << r;
 }
 
 }  // namespace

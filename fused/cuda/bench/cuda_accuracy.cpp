@@ -3,6 +3,7 @@
 // {2, 8, 32} at realistic (2) and large (30) logit scales on ANCHORS' shape (T=256, H=1024, V=32000).
 // Exit 1 when any row misses the bar (gradients <= 1.5x floor, scalars <= 5e-7 relative).
 #include "fused/cuda/cuda_backend.h"
+#include "fused/cuda/device_fused.h"
 #include "fused/tests/accuracy.h"
 #include "problem/generate.h"
 #include "reference/reference.h"
@@ -29,14 +30,17 @@ int main(int argc, char** argv) {
   app.add_option("--scales", scales, "logit standard deviations");
   app.add_option("--seed", seed, "generator seed");
   app.add_flag("--bias", bias, "with an LM-head bias");
+  fused::cuda::Tuning tuning;
+  app.add_option("--logits-k-splits", tuning.logits_k_splits, "slices of the logits GEMM's k (1: fastest)");
   CLI11_PARSE(app, argc, argv);
   if (!fused::cuda::device_present()) {
     std::fprintf(stderr, "cuda_accuracy: no CUDA device\n");
     return 2;
   }
 
-  std::printf("cuda backend, T=%lld H=%lld V=%lld%s, ignore pattern prompt_prefix, default hyperparameters\n",
-              (long long)T, (long long)H, (long long)V, bias ? ", bias" : "");
+  std::printf("cuda backend, T=%lld H=%lld V=%lld%s, logits k in %d slice(s), ignore pattern prompt_prefix, "
+              "default hyperparameters\n", (long long)T, (long long)H, (long long)V, bias ? ", bias" : "",
+              tuning.logits_k_splits);
   std::printf("%4s %6s | %-24s | %-24s | %9s %9s %9s | %7s %7s\n", "B", "scale", "grad_x err / floor = x",
               "grad_weight err / floor = x", "loss", "nll", "logps", "cuda s", "ref s");
   bool all_pass = true;
@@ -51,7 +55,7 @@ int main(int argc, char** argv) {
       fused::Options options;
       options.backend = fused::Backend::cuda;
       const auto t0 = std::chrono::steady_clock::now();
-      const TensorMap out = fused::cuda::compute(problem, options);
+      const TensorMap out = fused::cuda::compute(problem, options, tuning);
       const auto t1 = std::chrono::steady_clock::now();
       const TensorMap exact = reference::compute(problem);
       const auto t2 = std::chrono::steady_clock::now();

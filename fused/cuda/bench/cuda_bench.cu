@@ -91,6 +91,7 @@ int main(int argc, char** argv) {
   std::int64_t T = 1024, H = 4096, V = 128256;
   std::int64_t workspace = default_workspace_bytes;
   int warmup = 3, reps = 10;
+  Tuning tuning;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::int64_t {
@@ -109,9 +110,11 @@ int main(int argc, char** argv) {
     else if (a == "--workspace-mib") workspace = next() << 20;
     else if (a == "--reps") reps = static_cast<int>(next());
     else if (a == "--warmup") warmup = static_cast<int>(next());
+    else if (a == "--logits-k-splits") tuning.logits_k_splits = static_cast<int>(next());
     else {
       std::fprintf(stderr,
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
+                   "                  [--logits-k-splits n]\n"
                    "  default: B in {2, 16}, T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
     }
@@ -120,9 +123,9 @@ int main(int argc, char** argv) {
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    std::printf("device: %s, %d SMs, %.1f GiB; T=%lld H=%lld V=%lld, workspace budget %lld MiB, %d reps (median)\n",
-                prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, (long long)T, (long long)H,
-                (long long)V, (long long)(workspace >> 20), reps);
+    std::printf("device: %s, %d SMs, %.1f GiB; T=%lld H=%lld V=%lld, workspace budget %lld MiB, logits k in %d "
+                "slice(s), %d reps (median)\n", prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
+                (long long)T, (long long)H, (long long)V, (long long)(workspace >> 20), tuning.logits_k_splits, reps);
     std::printf("%4s | %9s %9s | %9s %9s | %7s %7s | %10s %10s | %s\n", "B", "floor fwd", "fused fwd", "floor full",
                 "fused full", "fwd/fl", "full/fl", "extra MiB", "(ws+acc)", "schedule");
 
@@ -176,12 +179,12 @@ int main(int argc, char** argv) {
       Options forward_options = options;
       forward_options.gradients = false;
 
-      const Timing full = time_it(stream, warmup, reps, [&] { runner.run(problem, &gradients, options); });
+      const Timing full = time_it(stream, warmup, reps, [&] { runner.run(problem, &gradients, options, tuning); });
       const std::string schedule = runner.last_report().schedule.to_string();
       const std::int64_t workspace_full = runner.last_report().workspace_bytes;
       const int fallbacks = runner.last_report().gemm_fallbacks;
       const std::int64_t extra = free_before - free_device_bytes();  // workspace + accumulator + handles
-      const Timing forward = time_it(stream, warmup, reps, [&] { runner.run(problem, nullptr, forward_options); });
+      const Timing forward = time_it(stream, warmup, reps, [&] { runner.run(problem, nullptr, forward_options, tuning); });
 
       // The floor: the same GEMMs through cuBLASLt with no fused work between them.
       Timing floor_fwd, floor_full;
