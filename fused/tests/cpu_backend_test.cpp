@@ -280,6 +280,17 @@ TEST(FusedEntryPoint, InvalidProblemsAreInputErrors) {
   EXPECT_THROW(compute(problem, cpu_options()), InputError);
 }
 
+TEST(FusedEntryPoint, ValidateOffSkipsOnlyTheValueScan) {
+  Problem problem = generate(spec_of({.B = 2, .T = 4, .H = 8, .V = 16}, 2.0, 52));
+  problem.x[5] = bf16(NAN);
+  Options options = cpu_options();
+  EXPECT_THROW(compute(problem, options), InputError);  // the scan names x and its first bad index
+  options.validate = false;
+  EXPECT_NO_THROW(compute(problem, options));  // the caller vouched for the values
+  problem.shape.B = 3;  // shape rules are checked whatever the option
+  EXPECT_THROW(compute(problem, options), InputError);
+}
+
 TEST(FusedEntryPoint, NamesRoundTrip) {
   for (Backend b : {Backend::automatic, Backend::cpu, Backend::cuda}) EXPECT_EQ(backend_from_name(backend_name(b)), b);
   EXPECT_THROW(backend_from_name("gpu"), InputError);

@@ -246,6 +246,23 @@ TEST(CudaBackendFeatures, OddSizesBothSchedules) {
   }
 }
 
+// The logits GEMM cut along k (cuda::Tuning): slices summed in the fp32 epilogue compute the same function.
+// Odd H (31 -> 32 padded columns, slices of 8) and H = 96 (slices of 24/32) exercise the slice arithmetic.
+TEST(CudaBackendFeatures, LogitsKSlicesMeetTheBar) {
+  SKIP_WITHOUT_DEVICE();
+  for (Shape shape : {Shape{.B = 4, .T = 16, .H = 31, .V = 123}, feature_shape}) {
+    CaseSpec spec = spec_of(shape, 30.0, 33);
+    spec.bias = true;
+    const Problem problem = generate(spec);
+    const TensorMap exact = reference::compute(problem);
+    for (int slices : {2, 3, 4}) {
+      SCOPED_TRACE(shape.to_string() + ", " + std::to_string(slices) + " slices");
+      const TensorMap out = cuda::compute(problem, cuda_options(), cuda::Tuning{.logits_k_splits = slices});
+      for (const auto& v : bar_violations(out, exact, logits_mean_tolerance(spec.logit_scale))) ADD_FAILURE() << v;
+    }
+  }
+}
+
 TEST(CudaBackendFeatures, IgnoredRowsOfGradXAreExactlyZero) {
   SKIP_WITHOUT_DEVICE();
   CaseSpec spec = spec_of(feature_shape, 2.0, 32);
