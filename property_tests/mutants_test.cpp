@@ -5,6 +5,11 @@
 
 #include <gtest/gtest.h>
 
+namespace simpo::fused {
+// Names the mutant in test output (found by argument-dependent lookup).
+inline void PrintTo(Mutant m, std::ostream* os) { *os << mutant_name(m); }
+}  // namespace simpo::fused
+
 namespace simpo::property_tests {
 namespace {
 

@@ -35,6 +35,10 @@ constexpr double scalar_safety = 4.0;
 // small-sample factor covers the ~1/sqrt(n) fluctuation of a norm over n elements (a 2-element tensor can have a
 // floor near 0 by chance).
 constexpr double gradient_safety = 1.5;
+// Underflow: a gradient near fp32's smallest normal (2^-126; bf16 has the same exponent range) keeps only the
+// few bits subnormals have (k can be ~1e-38 when beta (c - r) saturates the sigmoid). Every element may be
+// off by this much in absolute terms.
+constexpr double underflow = 0x1.0p-120;
 const double operand_rounding = 0x1.0p-8 / std::sqrt(3.0);
 constexpr double small_sample = 3.0;
 constexpr double accumulation_safety = 4.0;
@@ -380,11 +384,12 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
       const double floor_abs = std::sqrt(sum_floor_sq);
       const double K = static_cast<double>(reduction_length(scales.shape, name));
       const double bound_abs = gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
-                               scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M;
+                               scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M +
+                               underflow * std::sqrt(nn);
       r.frob_bound = norm > 0 ? bound_abs / norm : 0.0;
       // Elementwise: the whole internal budget may land on one element (a Frobenius norm bounds every element);
       // the element's own rounding is rtol.
-      r.atol = gradient_safety * gradient_internal_error(scales, name);
+      r.atol = gradient_safety * gradient_internal_error(scales, name) + underflow;
       if (norm == 0) r.frob_bound = -1;  // all-zero exact gradient: judged elementwise (atol = 0 when k = 0)
     }
   } else {
@@ -409,7 +414,7 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
       }
       const double k = scales.row_k[static_cast<std::size_t>(row)], q = scales.row_q[static_cast<std::size_t>(row)];
       const double bound = gradient_safety * row_sample * std::hypot(std::sqrt(floor_sq), operand_rounding * k * q * W) +
-                           scalar_safety * e_l * k * W + acc * k * W;
+                           scalar_safety * e_l * k * W + acc * k * W + underflow * std::sqrt(static_cast<double>(H));
       const double err = std::sqrt(err_sq);
       const double m = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
       if (err > bound) ++r.rows_beyond;

@@ -12,7 +12,9 @@ if [ "$mode" = stage ]; then
   build=${2:?build folder}; stage=${3:?stage folder}
   rm -rf "$stage" && mkdir -p "$stage/lib" || exit 2
   cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$build/fused/cuda/cuda_accuracy" "$stage/" || exit 2
-  # The discovered tests (add_test + LABELS gpu) with their absolute build path made relocatable.
+  # The discovered tests (add_test + LABELS gpu) with their absolute build path made relocatable; listing
+  # them here (ctest -N) refreshes the discovery, which needs no GPU.
+  (cd "$build/fused/cuda" && ctest -N > /dev/null) || exit 2
   sed "s|$(realpath "$build")/fused/cuda|@DIR@|g" "$build/fused/cuda/cuda_backend_test[1]_tests.cmake" \
     > "$stage/CTestTestfile.cmake.in" || exit 2
   cp "$(g++ -print-file-name=libgomp.so.1)" "$stage/lib/" || exit 2
