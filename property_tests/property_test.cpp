@@ -21,6 +21,11 @@ std::string counterexample_dir() {
 // a failure into a rapidcheck failure with the replay commands. Each failing attempt overwrites the same file,
 // so after shrinking it holds the minimal case.
 void expect_property(const verifier::Case& c, const verifier::Implementation& impl, const std::string& property) {
+  // rapidcheck prints the distribution of these tags after the run: evidence the cases cover what they should.
+  const auto& s = c.spec.shape;
+  const std::int64_t work = s.N() * s.H * s.V;
+  RC_TAG(work < 10'000 ? "N*H*V < 1e4" : work < 1'000'000 ? "N*H*V < 1e6" : "N*H*V >= 1e6");
+  RC_TAG(ignore_pattern_name(c.spec.ignore));
   const auto outcomes = verifier::check_case(c, impl, {"valid_input_agrees", property});
   for (const auto& o : outcomes) {
     if (o.passed) continue;

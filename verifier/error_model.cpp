@@ -113,9 +113,9 @@ double expected_rounding_error(DType d) { return unit_roundoff(d) * std::sqrt(1.
 
 namespace {
 
-// Upper bounds on q[r] = 1 - p_target for every completion row (1 for ignored rows, which have k = 0 anyway):
-// fp32 logits in row chunks of <= 64 MiB, lse and l in double from them, q = -expm1(l) + 2 e_l (the fp32
-// logits' derived error, so the bound holds), capped at 1.
+// Upper bounds on q[r] = ||p_off[r]|| = sqrt(sum_{v != target} p_v^2), the norm of row r's softmax off the
+// target column (1 for ignored rows, which have k = 0 anyway): fp32 logits in row chunks of <= 64 MiB, lse and
+// p in double from them, widened by 2 e_l (the fp32 logits' derived error) so the bound holds; capped at 1.
 std::vector<double> off_target_mass(const Problem& p, double logprob_error) {
   const Shape& s = p.shape;
   std::vector<double> q(static_cast<std::size_t>(s.N()), 1.0);
@@ -140,8 +140,11 @@ std::vector<double> off_target_mass(const Problem& p, double logprob_error) {
       }
       double sum = 0;
       for (double zv : row) sum += std::exp(zv - zmax);
-      const double l = row[static_cast<std::size_t>(target)] - zmax - std::log(sum);
-      q[static_cast<std::size_t>(r)] = std::min(1.0, -std::expm1(std::min(l, 0.0)) + 2 * logprob_error);
+      const double lse = zmax + std::log(sum);
+      double off_sq = 0;  // sum over v != target of p_v^2
+      for (std::int64_t v = 0; v < s.V; ++v)
+        if (v != target) off_sq += std::exp(2 * (row[static_cast<std::size_t>(v)] - lse));
+      q[static_cast<std::size_t>(r)] = std::min(1.0, std::sqrt(off_sq) * (1 + 2 * logprob_error) + 2 * logprob_error);
     }
   }
   return q;

@@ -48,8 +48,8 @@ struct ProblemScales {
   // Zero until `exact` is given.
   double magnitude_grad_x = 0, magnitude_grad_weight = 0, magnitude_grad_bias = 0;
   double gradient_magnitude(const std::string& output_name) const;
-  // The same with |k[r]| replaced by |k[r]| q[r], q[r] = 1 - p_target bounding the off-target mass of row r:
-  // the size of the dz elements that go through bf16 (the target column's k (1 - p_t) stays fp32, computed
+  // The same with |k[r]| replaced by |k[r]| q[r], q[r] = ||p_off[r]|| = sqrt(sum_{v != target} p_v^2): the
+  // norm of row r's dz elements that go through bf16 (the target column's k (1 - p_t) stays fp32, computed
   // with expm1). Rounding the target column to bf16 (a bug class, ANCHORS) costs ~ u |k| p_t instead, which is
   // what makes it visible when p_t is near 1. q comes from fp32 logits recomputed here (O(N H V)), widened by
   // their derived error so it stays an upper bound.

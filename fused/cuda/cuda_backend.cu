@@ -3,6 +3,8 @@
 // statistics, so they are bit-identical to the cpu backend's for identical statistics.
 #include "fused/cuda/cuda_backend.h"
 
+#include <algorithm>
+
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 
@@ -40,7 +42,16 @@ Tensor download(const void* device, DType dtype, std::vector<std::int64_t> shape
 
 }  // namespace
 
-TensorMap compute(const Problem& problem, const Options& options) { return compute(problem, options, Tuning{}); }
+Tuning tuning_for(std::int64_t H, const Options& options) {
+  Tuning tuning;
+  if (options.logits_k_slice > 0)
+    tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));
+  return tuning;
+}
+
+TensorMap compute(const Problem& problem, const Options& options) {
+  return compute(problem, options, tuning_for(problem.shape.H, options));
+}
 
 TensorMap compute(const Problem& problem, const Options& options, const Tuning& tuning) {
   if (options.mutant != Mutant::none)

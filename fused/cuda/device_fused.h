@@ -49,12 +49,14 @@ struct RunReport {
   int gemm_fallbacks = 0;            // GEMMs that went to cublasGemmEx instead of cuBLASLt
 };
 
-// Knobs that trade speed for accuracy, off by default (not part of fused::Options yet).
+// Knobs that trade speed for accuracy. cuda::compute(problem, options) takes them from options
+// (tuning_for); the benchmarks may set them directly.
 struct Tuning {
-  // Slices of the logits GEMM's k (see Gemms::logits): 1 is fastest; 4 cuts the fp32 accumulation bias of
-  // the logits, and so the relative error of loss/nll/logps at large H, about fourfold.
+  // Slices of the logits GEMM's k (see Gemms::logits): 1 is fastest; s slices cut the fp32 accumulation bias
+  // of the logits, and so the relative error of loss/nll/logps, about s-fold.
   int logits_k_splits = 1;
 };
+Tuning tuning_for(std::int64_t H, const Options&);
 
 class FusedRunner {
  public:

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
@@ -431,6 +432,9 @@ int main(int argc, char** argv) {
     if (*s) return run_sweep_command(sweep);
     return run_main_job(job);
   } catch (const InputError& e) {
+    std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
+    return 2;
+  } catch (const std::filesystem::filesystem_error& e) {  // an unwritable --out or directory: the caller's input
     std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
     return 2;
   }

@@ -31,8 +31,11 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "generator seed");
   app.add_flag("--bias", bias, "with an LM-head bias");
   fused::cuda::Tuning tuning;
-  app.add_option("--logits-k-splits", tuning.logits_k_splits, "slices of the logits GEMM's k (1: fastest)");
+  tuning.logits_k_splits = 0;
+  app.add_option("--logits-k-splits", tuning.logits_k_splits,
+                 "slices of the logits GEMM's k (1: fastest; default: from fused::Options::logits_k_slice)");
   CLI11_PARSE(app, argc, argv);
+  if (tuning.logits_k_splits == 0) tuning = fused::cuda::tuning_for(H, fused::Options{});
   if (!fused::cuda::device_present()) {
     std::fprintf(stderr, "cuda_accuracy: no CUDA device\n");
     return 2;

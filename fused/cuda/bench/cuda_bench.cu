@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
   std::int64_t workspace = default_workspace_bytes;
   int warmup = 3, reps = 10;
   Tuning tuning;
+  tuning.logits_k_splits = 0;  // 0: what fused::Options' default logits_k_slice gives for H
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::int64_t {
@@ -114,12 +115,13 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
-                   "                  [--logits-k-splits n]\n"
+                   "                  [--logits-k-splits n (default: from Options::logits_k_slice)]\n"
                    "  default: B in {2, 16}, T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
     }
   }
 
+  if (tuning.logits_k_splits == 0) tuning = tuning_for(H, Options{});
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
