@@ -58,14 +58,20 @@ for t in CudaBackendFeatures.Bias CudaBackendFeatures.EmptySequenceTreatedAsZero
   { echo "==== $t"; cat "$OUT/racecheck_one.log"; } >> "$OUT/racecheck.log"; rm "$OUT/racecheck_one.log"
 done
 
-echo "== cuda_accuracy"
+# Accuracy and speed with the default logits slicing (fused::Options::logits_k_slice = 256), then without it
+# (one logits GEMM: fastest, scalars biased by the tensor cores' accumulation).
+echo "== cuda_accuracy (default slicing)"
 "$stage/cuda_accuracy" 2>&1 | tee "$OUT/accuracy.log"
-echo "== cuda_accuracy, logits k in 4 slices"
-"$stage/cuda_accuracy" --logits-k-splits 4 2>&1 | tee -a "$OUT/accuracy.log"
+echo "== cuda_accuracy at H=4096 (default slicing)"
+"$stage/cuda_accuracy" --H 4096 --B 2 8 2>&1 | tee -a "$OUT/accuracy.log"
+echo "== cuda_accuracy at H=4096, one logits GEMM"
+"$stage/cuda_accuracy" --H 4096 --B 2 --logits-k-splits 1 2>&1 | tee -a "$OUT/accuracy.log"
 
-echo "== cuda_bench"
+echo "== cuda_bench (default slicing)"
 "$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
-echo "== cuda_bench, logits k in 4 slices"
-"$stage/cuda_bench" --B 2 --logits-k-splits 4 2>&1 | tee -a "$OUT/bench.log"
+for s in 1 4 8; do
+  echo "== cuda_bench, logits k in $s slice(s)"
+  "$stage/cuda_bench" --logits-k-splits $s 2>&1 | tee -a "$OUT/bench.log"
+done
 echo "== cuda_bench, 256 MiB workspace (the two_pass fallback)"
 "$stage/cuda_bench" --B 2 --workspace-mib 256 --reps 5 2>&1 | tee "$OUT/bench_small_workspace.log"
