@@ -186,7 +186,10 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
     for (auto b : *p.bias) max_bias = std::max(max_bias, std::fabs(static_cast<double>(static_cast<float>(b))));
   s.logit_bound = max_x * max_w + max_bias;
 
-  if (!exact || !exact->count(output_name::chosen_logps) || !exact->count(output_name::rejected_logps)) return s;
+  // The gradient magnitudes cost O(N H V) (off_target_mass): only when there are gradients to judge.
+  if (!exact || !exact->count(output_name::chosen_logps) || !exact->count(output_name::rejected_logps) ||
+      !exact->count(output_name::grad_x))
+    return s;
   // k[r] from the exact averages (SPEC "Gradients"): the per-row factor of dz.
   const Tensor& c = exact->at(output_name::chosen_logps);
   const Tensor& rj = exact->at(output_name::rejected_logps);

@@ -134,6 +134,33 @@ TEST(ErrorModel, LossOffByOnePerMilleFailsStrict) {
   EXPECT_EQ(find(compare(f.problem, f.exact, c, strict_profile()), "loss").verdict, Verdict::passed);
 }
 
+TEST(ErrorModel, OneWrongTokenRowOfGradXFailsThoughTheTensorNormBarelyMoves) {
+  const auto& f = fixture();
+  TensorMap c = rounded(f.exact);
+  // The completion row with the smallest share of grad_x's norm, off by 2 %: diluted in the tensor's norm
+  // (inside the Frobenius bound), but judged against its own budget.
+  const Shape& s = f.problem.shape;
+  const Tensor& exact_gx = f.exact.at("grad_x");
+  std::int64_t row = -1;
+  double smallest = INFINITY;
+  for (std::int64_t r = 0; r < s.N(); ++r) {
+    if (!f.problem.is_completion(r / s.T, r % s.T)) continue;
+    double sq = 0;
+    for (std::int64_t h = 0; h < s.H; ++h) sq += exact_gx.value(r * s.H + h) * exact_gx.value(r * s.H + h);
+    if (sq < smallest) smallest = sq, row = r;
+  }
+  ASSERT_GE(row, 0);
+  auto g = c["grad_x"].as<bf16>();
+  for (std::int64_t h = 0; h < s.H; ++h) {
+    auto& v = g[static_cast<std::size_t>(row * s.H + h)];
+    v = bf16(static_cast<float>(v) * 1.02f);
+  }
+  const auto& t = find(compare(f.problem, f.exact, c, strict_profile()), "grad_x");
+  EXPECT_EQ(t.verdict, Verdict::failed) << t.reason;
+  EXPECT_EQ(t.rows_beyond, 1);
+  EXPECT_LT(t.rel_frob, t.frob_bound);  // the tensor-level bound alone would have passed it
+}
+
 TEST(ErrorModel, UserTolerancesAreElementwise) {
   const auto& f = fixture();
   TensorMap c = rounded(f.exact);
