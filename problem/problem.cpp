@@ -53,18 +53,6 @@ void check_size(const char* name, std::size_t have, const std::vector<std::int64
                      std::to_string(want));
 }
 
-// Row-major multi-index of flat index i, for naming the first bad element.
-std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape) {
-  std::vector<std::int64_t> idx(shape.size());
-  for (std::size_t k = shape.size(); k-- > 0;) {
-    idx[k] = i % shape[k];
-    i /= shape[k];
-  }
-  std::string s = "(";
-  for (std::size_t k = 0; k < idx.size(); ++k) s += (k ? ", " : "") + std::to_string(idx[k]);
-  return s + ")";
-}
-
 void check_finite(const char* name, const std::vector<bf16>& values, const std::vector<std::int64_t>& shape) {
   for (std::size_t i = 0; i < values.size(); ++i) {
     const float v = static_cast<float>(values[i]);

@@ -38,6 +38,17 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
   return s + "]";
 }
 
+std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> idx(shape.size());
+  for (std::size_t k = shape.size(); k-- > 0;) {
+    idx[k] = i % shape[k];
+    i /= shape[k];
+  }
+  std::string s = "(";
+  for (std::size_t k = 0; k < idx.size(); ++k) s += (k ? ", " : "") + std::to_string(idx[k]);
+  return s + ")";
+}
+
 Tensor::Tensor(DType dtype_, std::vector<std::int64_t> shape_) : dtype(dtype_), shape(std::move(shape_)) {
   bytes.assign(static_cast<std::size_t>(numel()) * dtype_size(dtype), std::byte{0});
 }

@@ -31,6 +31,8 @@ template <> constexpr DType dtype_of<double>() { return DType::F64; }
 template <> constexpr DType dtype_of<std::int64_t>() { return DType::I64; }
 
 std::string shape_string(const std::vector<std::int64_t>& shape);  // "[2, 3, 4]"
+// Row-major multi-index of flat index i: "(0, 1, 3)"; "()" for a scalar. How errors name an element.
+std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape);
 
 struct Tensor {
   DType dtype = DType::F64;

@@ -51,18 +51,6 @@ double round_to(DType dtype, double v) {
   }
 }
 
-std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape) {
-  if (shape.empty()) return "()";
-  std::vector<std::int64_t> idx(shape.size());
-  for (std::size_t k = shape.size(); k-- > 0;) {
-    idx[k] = i % shape[k];
-    i /= shape[k];
-  }
-  std::string s = "(";
-  for (std::size_t k = 0; k < idx.size(); ++k) s += (k ? ", " : "") + std::to_string(idx[k]);
-  return s + ")";
-}
-
 std::string sci(double v, int digits = 2) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.*e", digits, v);

@@ -15,7 +15,7 @@ Implementation reference_implementation() {
 
 Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant) {
   std::string name = fused::backend_name(backend);
-  if (mutant != fused::Mutant::none) name += "+" + fused::mutant_name(mutant);
+  if (mutant != fused::Mutant::none) name.append("+").append(fused::mutant_name(mutant));  // (GCC 12 -Wrestrict misfires on "+" + string)
   return {name, [backend, mutant](const Problem& problem, const RunOptions& run) {
             fused::Options options;
             options.backend = backend;
