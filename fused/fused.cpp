@@ -34,8 +34,8 @@ Backend resolve(Backend backend) {
   throw InputError("unknown backend value " + std::to_string(static_cast<int>(backend)));
 }
 
+// Each backend validates the problem itself (both are entry points too), so the O(inputs) scan runs once.
 TensorMap compute(const Problem& problem, const Options& options) {
-  validate(problem, {.scan_values = options.validate});
   switch (resolve(options.backend)) {
     case Backend::cuda:
 #if SIMPO_HAVE_CUDA

@@ -341,6 +341,9 @@ class Run {
 
 }  // namespace
 
-TensorMap compute(const Problem& problem, const Options& options) { return Run(problem, options).compute(); }
+TensorMap compute(const Problem& problem, const Options& options) {
+  validate(problem, {.scan_values = options.validate});
+  return Run(problem, options).compute();
+}
 
 }  // namespace simpo::fused::cpu

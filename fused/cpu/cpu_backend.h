@@ -7,7 +7,7 @@
 
 namespace simpo::fused::cpu {
 
-// SPEC's outputs for a problem that simpo::validate accepted (fused::compute validates first).
+// SPEC's outputs; validates first (simpo::validate), like the cuda backend: each backend is an entry point.
 TensorMap compute(const Problem&, const Options&);
 
 }  // namespace simpo::fused::cpu
