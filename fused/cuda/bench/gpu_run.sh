@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The cuda backend's GPU session in one call, for a lent GPU machine that has no Eigen/GTest to build with:
 #   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test, cuda_bench and
-#                                                  cuda_accuracy, a CTest file of the gpu-labelled tests and
+#                                                  fused_accuracy_table, a CTest file of the gpu-labelled tests and
 #                                                  libgomp into STAGE
 #   fused/cuda/bench/gpu_run.sh run STAGE           (there) ctest -L gpu, compute-sanitizer memcheck (whole
-#                                                  suite) and racecheck (small cases), cuda_accuracy, cuda_bench;
+#                                                  suite) and racecheck (small cases), fused_accuracy_table
+#                                                  --backend cuda, cuda_bench;
 #                                                  logs in $OUT
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
   build=${2:?build folder}; stage=${3:?stage folder}
   rm -rf "$stage" && mkdir -p "$stage/lib" || exit 2
-  cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$build/fused/cuda/cuda_accuracy" "$stage/" || exit 2
+  cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$build/fused/tests/fused_accuracy_table" "$stage/" || exit 2
   # The discovered tests (add_test + LABELS gpu) with their absolute build path made relocatable; listing
   # them here (ctest -N) refreshes the discovery, which needs no GPU.
   (cd "$build/fused/cuda" && ctest -N > /dev/null) || exit 2
@@ -60,12 +61,13 @@ done
 
 # Accuracy and speed with the default logits slicing (fused::Options::logits_k_slice = 256), then without it
 # (one logits GEMM: fastest, scalars biased by the tensor cores' accumulation).
-echo "== cuda_accuracy (default slicing)"
-"$stage/cuda_accuracy" 2>&1 | tee "$OUT/accuracy.log"
-echo "== cuda_accuracy at H=4096 (default slicing)"
-"$stage/cuda_accuracy" --H 4096 --B 2 8 2>&1 | tee -a "$OUT/accuracy.log"
-echo "== cuda_accuracy at H=4096, one logits GEMM"
-"$stage/cuda_accuracy" --H 4096 --B 2 --logits-k-splits 1 2>&1 | tee -a "$OUT/accuracy.log"
+acc="$stage/fused_accuracy_table --backend cuda --T 256 --V 32000"
+echo "== accuracy table (default slicing)"
+$acc --H 1024 2>&1 | tee "$OUT/accuracy.log"
+echo "== accuracy table at H=4096 (default slicing)"
+$acc --H 4096 --B 2 8 2>&1 | tee -a "$OUT/accuracy.log"
+echo "== accuracy table at H=4096, one logits GEMM"
+$acc --H 4096 --B 2 --logits-k-slice 0 2>&1 | tee -a "$OUT/accuracy.log"
 
 echo "== cuda_bench (default slicing)"
 "$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
