@@ -5,6 +5,7 @@
 // -log V. Large logits check that the log-sum-exp and 1 - p are computed without overflow or cancellation.
 #include "reference/reference.h"
 #include "reference/tests/tensor_compare.h"
+#include "reference/tests/test_problems.h"
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@ namespace {
 
 using testing::scalar;
 using testing::values;
+using testing::hyperparameters;
 
 double naive_sigmoid(double u) { return 1.0 / (1.0 + std::exp(-u)); }
 double naive_log_sigmoid(double u) { return -std::log(1.0 + std::exp(-u)); }
@@ -106,28 +108,15 @@ TEST_P(TwoTokenVocabulary, MatchesClosedForm) {
   }
 }
 
-Hyperparameters make_hp(double beta, double gamma, double alpha, double ls, double grad_scale, bool nll = true,
-                        EmptySequence empty = EmptySequence::error) {
-  Hyperparameters hp;
-  hp.beta = beta;
-  hp.gamma = gamma;
-  hp.alpha = alpha;
-  hp.label_smoothing = ls;
-  hp.grad_scale = grad_scale;
-  hp.compute_nll_loss = nll;
-  hp.empty_sequence = empty;
-  return hp;
-}
-
 INSTANTIATE_TEST_SUITE_P(
     Cases, TwoTokenVocabulary,
     ::testing::Values(TwoTokenCase{"defaults", false, false, false, Hyperparameters{}},
-                      TwoTokenCase{"bias_smoothing_scale", true, false, false, make_hp(2.0, 0.5, 0.5, 0.25, 1.5)},
-                      TwoTokenCase{"no_nll", true, false, false, make_hp(0.7, -0.3, 3.0, 0.0, -2.0, false)},
+                      TwoTokenCase{"bias_smoothing_scale", true, false, false, hyperparameters(2.0, 0.5, 0.5, 0.25, 1.5)},
+                      TwoTokenCase{"no_nll", true, false, false, hyperparameters(0.7, -0.3, 3.0, 0.0, -2.0, false)},
                       TwoTokenCase{"rejected_empty", true, false, true,
-                                   make_hp(1.25, 0.5, 0.5, 0.1, 1.0, true, EmptySequence::zero)},
+                                   hyperparameters(1.25, 0.5, 0.5, 0.1, 1.0, true, EmptySequence::zero)},
                       TwoTokenCase{"chosen_empty_alpha_zero", false, true, false,
-                                   make_hp(1.25, 0.5, 0.0, 0.1, 1.0, true, EmptySequence::zero)}),
+                                   hyperparameters(1.25, 0.5, 0.0, 0.1, 1.0, true, EmptySequence::zero)}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Zero weights and a constant bias: every logit is 0.75, the softmax is uniform, every token log-prob is -log V,
@@ -137,7 +126,7 @@ TEST(UniformLogits, MatchesClosedForm) {
   const std::int64_t B = 4, T = 3, H = 2, V = 5, P = 2;
   Problem problem;
   problem.shape = {B, T, H, V};
-  problem.hp = make_hp(1.5, 0.7, 0.8, 0.1, 2.0);
+  problem.hp = hyperparameters(1.5, 0.7, 0.8, 0.1, 2.0);
   const std::int64_t I = problem.hp.ignore_index;
   problem.x = {bf16(0.5f), bf16(-1.0f), bf16(2.0f), bf16(0.25f), bf16(-0.75f), bf16(1.5f),
                bf16(1.0f), bf16(3.0f),  bf16(-2.0f), bf16(0.5f), bf16(0.125f), bf16(-1.25f),

@@ -5,6 +5,7 @@
 // each ignore pattern, both schedules (whole pairs kept, and pairs split with the logits recomputed) and a bias.
 #include "problem/generate.h"
 #include "reference/reference_core.h"
+#include "reference/tests/test_problems.h"
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,9 @@
 
 namespace simpo::reference {
 namespace {
+
+using testing::case_spec;
+using testing::hyperparameters;
 
 struct FiniteDifferenceCase {
   const char* name;
@@ -111,42 +115,20 @@ TEST_P(FiniteDifferences, EveryGradientEntryMatchesCentralDifference) {
   std::printf("[ %s ] %d entries, worst |error| / tolerance = %.3g\n", param.name, checked, worst_ratio);
 }
 
-CaseSpec spec(Shape shape, bool bias, IgnorePattern ignore, double logit_scale, std::uint64_t seed,
-              Hyperparameters hp = {}) {
-  CaseSpec c;
-  c.shape = shape;
-  c.bias = bias;
-  c.ignore = ignore;
-  c.logit_scale = logit_scale;
-  c.seed = seed;
-  c.hp = hp;
-  return c;
-}
-
-Hyperparameters hp_with(double beta, double gamma, double alpha, double ls, double grad_scale) {
-  Hyperparameters hp;
-  hp.beta = beta;
-  hp.gamma = gamma;
-  hp.alpha = alpha;
-  hp.label_smoothing = ls;
-  hp.grad_scale = grad_scale;
-  return hp;
-}
-
 Hyperparameters no_nll_symmetric() {
-  Hyperparameters hp = hp_with(1.5, 0.0, 1.0, 0.5, 1.0);
+  Hyperparameters hp = hyperparameters(1.5, 0.0, 1.0, 0.5, 1.0);
   hp.compute_nll_loss = false;
   return hp;
 }
 
 Hyperparameters empty_zero() {
-  Hyperparameters hp = hp_with(1.0, 0.5, 1.0, 0.0, 1.0);
+  Hyperparameters hp = hyperparameters(1.0, 0.5, 1.0, 0.0, 1.0);
   hp.empty_sequence = EmptySequence::zero;
   return hp;
 }
 
 Hyperparameters ignore_inside_vocab() {
-  Hyperparameters hp = hp_with(0.5, 0.2, 1.0, 0.0, -0.5);
+  Hyperparameters hp = hyperparameters(0.5, 0.2, 1.0, 0.0, -0.5);
   hp.ignore_index = 3;
   return hp;
 }
@@ -156,18 +138,18 @@ const Shape kSmall{4, 3, 5, 7};
 INSTANTIATE_TEST_SUITE_P(
     Cases, FiniteDifferences,
     ::testing::Values(
-        FiniteDifferenceCase{"defaults_bias", spec(kSmall, true, IgnorePattern::prompt_prefix, 2.0, 11), 0},
+        FiniteDifferenceCase{"defaults_bias", case_spec(kSmall, true, IgnorePattern::prompt_prefix, 2.0, 11), 0},
         // chunk_rows 2 < 2T: pairs split in pieces of 2 and 1 rows, logits recomputed for the gradient.
         FiniteDifferenceCase{"strong_preference_split_pairs",
-                             spec(kSmall, true, IgnorePattern::random, 3.0, 12, hp_with(2.0, 0.3, 0.4, 0.2, 1.7)), 2},
+                             case_spec(kSmall, true, IgnorePattern::random, 3.0, 12, hyperparameters(2.0, 0.3, 0.4, 0.2, 1.7)), 2},
         FiniteDifferenceCase{"no_nll_symmetric_smoothing",
-                             spec(kSmall, false, IgnorePattern::all_but_one, 2.0, 13, no_nll_symmetric()), 6},
-        FiniteDifferenceCase{"empty_sequence_zero", spec(kSmall, true, IgnorePattern::empty_sequence, 2.0, 14, empty_zero()), 1},
+                             case_spec(kSmall, false, IgnorePattern::all_but_one, 2.0, 13, no_nll_symmetric()), 6},
+        FiniteDifferenceCase{"empty_sequence_zero", case_spec(kSmall, true, IgnorePattern::empty_sequence, 2.0, 14, empty_zero()), 1},
         FiniteDifferenceCase{"ignore_index_inside_vocab",
-                             spec(kSmall, false, IgnorePattern::random, 2.0, 15, ignore_inside_vocab()), 0},
-        FiniteDifferenceCase{"large_logits", spec(kSmall, true, IgnorePattern::none, 8.0, 16, hp_with(0.5, 0.5, 1.0, 0.1, 1.0)), 0},
+                             case_spec(kSmall, false, IgnorePattern::random, 2.0, 15, ignore_inside_vocab()), 0},
+        FiniteDifferenceCase{"large_logits", case_spec(kSmall, true, IgnorePattern::none, 8.0, 16, hyperparameters(0.5, 0.5, 1.0, 0.1, 1.0)), 0},
         FiniteDifferenceCase{"four_pairs_two_per_block",
-                             spec({8, 2, 3, 4}, true, IgnorePattern::prompt_prefix, 2.0, 17, hp_with(1.0, 1.0, 0.5, 0.3, 2.0)), 8}),
+                             case_spec({8, 2, 3, 4}, true, IgnorePattern::prompt_prefix, 2.0, 17, hyperparameters(1.0, 1.0, 0.5, 0.3, 2.0)), 8}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include "problem/generate.h"
 #include "problem/problem_io.h"
 #include "reference/reference.h"
+#include "reference/tests/test_problems.h"
 
 #include <cmath>
 #include <cstdio>
@@ -16,18 +17,7 @@
 namespace {
 
 using namespace simpo;
-
-CaseSpec make(Shape shape, bool bias, IgnorePattern ignore, double logit_scale, std::uint64_t seed,
-              const std::string& description) {
-  CaseSpec c;
-  c.shape = shape;
-  c.bias = bias;
-  c.ignore = ignore;
-  c.logit_scale = logit_scale;
-  c.seed = seed;
-  c.description = description;
-  return c;
-}
+using reference::testing::case_spec;
 
 void write_case(const std::filesystem::path& dir, const std::string& name, const Problem& problem, const TensorMap& outputs) {
   save_problem((dir / (name + ".inputs.safetensors")).string(), problem);
@@ -45,22 +35,22 @@ int main(int argc, char** argv) {
     const std::filesystem::path dir = argv[1];
     std::filesystem::create_directories(dir / "tampered");
 
-    CaseSpec defaults = make({2, 8, 16, 32}, false, IgnorePattern::prompt_prefix, 2.0, 101, "defaults");
-    CaseSpec smoothing = make({4, 5, 12, 40}, true, IgnorePattern::random, 2.0, 102, "bias, label smoothing, grad_scale");
+    CaseSpec defaults = case_spec({2, 8, 16, 32}, false, IgnorePattern::prompt_prefix, 2.0, 101, {}, "defaults");
+    CaseSpec smoothing = case_spec({4, 5, 12, 40}, true, IgnorePattern::random, 2.0, 102, {}, "bias, label smoothing, grad_scale");
     smoothing.hp.beta = 2.0;
     smoothing.hp.gamma = 0.3;
     smoothing.hp.alpha = 0.5;
     smoothing.hp.label_smoothing = 0.2;
     smoothing.hp.grad_scale = 1.5;
-    CaseSpec empty = make({4, 6, 8, 20}, true, IgnorePattern::empty_sequence, 2.0, 103, "empty_sequence=zero");
+    CaseSpec empty = case_spec({4, 6, 8, 20}, true, IgnorePattern::empty_sequence, 2.0, 103, {}, "empty_sequence=zero");
     empty.hp.empty_sequence = EmptySequence::zero;
     empty.hp.alpha = 0.0;  // the empty sequence may be the only chosen one with tokens missing: keep N_c = 0 legal
-    CaseSpec no_nll = make({6, 4, 10, 24}, false, IgnorePattern::all_but_one, 2.0, 104, "no NLL, ignore_index inside V");
+    CaseSpec no_nll = case_spec({6, 4, 10, 24}, false, IgnorePattern::all_but_one, 2.0, 104, {}, "no NLL, ignore_index inside V");
     no_nll.hp.compute_nll_loss = false;
     no_nll.hp.ignore_index = 5;
     no_nll.hp.label_smoothing = 0.5;
     no_nll.hp.gamma = 0.0;
-    CaseSpec large = make({2, 16, 64, 300}, true, IgnorePattern::none, 12.0, 105, "large logits");
+    CaseSpec large = case_spec({2, 16, 64, 300}, true, IgnorePattern::none, 12.0, 105, {}, "large logits");
     large.hp.beta = 0.5;
 
     int written = 0;
