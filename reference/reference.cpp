@@ -286,8 +286,35 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
   return out;
 }
 
+std::string device_name(Device d) {
+  switch (d) {
+    case Device::cpu: return "cpu";
+    case Device::cuda: return "cuda";
+    case Device::automatic: return "auto";
+  }
+  return "?";
+}
+
+Device device_from_name(const std::string& name) {
+  if (name == "cpu") return Device::cpu;
+  if (name == "cuda") return Device::cuda;
+  if (name == "auto") return Device::automatic;
+  throw InputError("reference \"" + name + "\": expected cpu, cuda or auto");
+}
+
+// reference-cuda is not built yet: the CPU reference everywhere.
+bool cuda_available() { return false; }
+
+Device resolve(Device d) {
+  if (d == Device::automatic) return cuda_available() ? Device::cuda : Device::cpu;
+  if (d == Device::cuda && !cuda_available())
+    throw InputError("reference cuda: no CUDA device here (or reference-cuda was not built)");
+  return d;
+}
+
 TensorMap compute(const Problem& problem, const Options& options) {
   validate(problem);
+  resolve(options.reproducible ? Device::cpu : options.device);
   const Shape& s = problem.shape;
   const std::vector<double> x = widen(problem.x);
   const std::vector<double> weight = widen(problem.weight);

@@ -5,11 +5,25 @@
 #include "problem/problem.h"
 
 #include <functional>
+#include <string>
 
 namespace simpo::reference {
 
+// Which float64 reference computes (SPEC's `--reference cpu|cuda|auto`). automatic: the GPU one where a device
+// is present and this build has it, else the CPU one.
+enum class Device { cpu, cuda, automatic };
+std::string device_name(Device);             // "cpu", "cuda", "auto"
+Device device_from_name(const std::string&);  // throws InputError naming the choices
+bool cuda_available();                         // reference-cuda was built and a device is present
+Device resolve(Device);                        // automatic -> cuda or cpu; cuda without a device: InputError
+
 struct Options {
   bool gradients = true;  // false: loss and auxiliary outputs only
+  Device device = Device::cpu;
+  // The matrix products in one fixed summation order (plain loops, no BLAS, no threads, no FMA contraction):
+  // the outputs are then the same bits on every x86-64 CPU, vector width and thread count. For the golden
+  // fixtures, which are small; far slower than the BLAS products. CPU only (device is ignored).
+  bool reproducible = false;
   // Rows of logits held at once (memory: rows * V * 8 bytes). With gradients, a chunk of at least 2T rows holds
   // whole pairs and each row's logits are computed once (3 GEMMs in all); a smaller chunk splits a pair, so the
   // logits are computed twice, once for the pair's statistics and once for its gradient (4 GEMMs).
