@@ -11,6 +11,7 @@
 #include "reference/reference.h"
 
 #include "reference/reference_core.h"
+#include "reference/reproducible_math.h"
 
 #include <Eigen/Core>
 
@@ -26,14 +27,28 @@ using RowMajorMatrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eig
 using MatrixView = Eigen::Map<RowMajorMatrix>;
 using ConstMatrixView = Eigen::Map<const RowMajorMatrix>;
 
+// The elementary functions the reference uses: libm's, or correctly rounded ones (Options::reproducible).
+struct Elementary {
+  double (*exp)(double);
+  double (*log1p)(double);
+  double (*expm1)(double);
+};
+double libm_exp(double x) { return std::exp(x); }
+double libm_log1p(double x) { return std::log1p(x); }
+double libm_expm1(double x) { return std::expm1(x); }
+Elementary elementary(const Options& options) {
+  if (options.reproducible) return {reproducible::exp, reproducible::log1p, reproducible::expm1};
+  return {libm_exp, libm_log1p, libm_expm1};
+}
+
 // log sigmoid(s) = min(s, 0) - log1p(exp(-|s|)): the exponent is never positive, so nothing overflows, and log1p
 // keeps the tiny values log sigmoid takes at large positive s.
-double log_sigmoid(double s) { return std::min(s, 0.0) - std::log1p(std::exp(-std::abs(s))); }
+double log_sigmoid(double s, const Elementary& f) { return std::min(s, 0.0) - f.log1p(f.exp(-std::abs(s))); }
 
 // sigmoid(s) with a non-positive exponent on both branches.
-double sigmoid(double s) {
-  if (s >= 0) return 1.0 / (1.0 + std::exp(-s));
-  const double e = std::exp(s);
+double sigmoid(double s, const Elementary& f) {
+  if (s >= 0) return 1.0 / (1.0 + f.exp(-s));
+  const double e = f.exp(s);
   return e / (1.0 + e);
 }
 
@@ -119,6 +134,7 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
     check_size("grad_bias", gradients.bias.size(), has_bias ? V : 0);
   }
 
+  const Elementary f = elementary(options);
   const ConstMatrixView x(in.x.data(), N, H);
   const ConstMatrixView weight(in.weight.data(), V, H);
   auto completion = [&](std::int64_t row) { return in.target[row] != hp.ignore_index; };
@@ -156,7 +172,10 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
 
   auto compute_logits = [&](const Piece& piece) {
     auto z = logits.middleRows(piece.slot, piece.rows);
-    z.noalias() = x.middleRows(piece.row, piece.rows) * weight.transpose();
+    if (options.reproducible)
+      reproducible::logits(x.data() + piece.row * H, weight.data(), z.data(), piece.rows, V, H);
+    else
+      z.noalias() = x.middleRows(piece.row, piece.rows) * weight.transpose();
     if (has_bias) {
       const Eigen::Map<const Eigen::RowVectorXd> bias(in.bias.data(), V);
 #pragma omp parallel for schedule(static)
@@ -180,9 +199,9 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
       }
       const double max = z[argmax];
       double others = 0;
-      for (std::int64_t v = 0; v < argmax; ++v) others += std::exp(z[v] - max);
-      for (std::int64_t v = argmax + 1; v < V; ++v) others += std::exp(z[v] - max);
-      const double log_sum = std::log1p(others);
+      for (std::int64_t v = 0; v < argmax; ++v) others += f.exp(z[v] - max);
+      for (std::int64_t v = argmax + 1; v < V; ++v) others += f.exp(z[v] - max);
+      const double log_sum = f.log1p(others);
       lse[row] = max + log_sum;
       logit_sum[row] = sum_z;
       if (completion(row)) logprob[row] = (z[in.target[row]] - max) - log_sum;
@@ -202,15 +221,20 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
         continue;
       }
       const double lse_r = lse[row];
-      for (std::int64_t v = 0; v < V; ++v) z[v] = -kr * std::exp(z[v] - lse_r);
-      z[in.target[row]] = -kr * std::expm1(logprob[row]);
+      for (std::int64_t v = 0; v < V; ++v) z[v] = -kr * f.exp(z[v] - lse_r);
+      z[in.target[row]] = -kr * f.expm1(logprob[row]);
     }
   };
 
   auto accumulate_gradients = [&](const Piece& piece) {
     const auto dz = logits.middleRows(piece.slot, piece.rows);
-    grad_x.middleRows(piece.row, piece.rows).noalias() = dz * weight;
-    grad_weight.noalias() += dz.transpose() * x.middleRows(piece.row, piece.rows);
+    if (options.reproducible) {
+      reproducible::grad_x(dz.data(), weight.data(), &grad_x(piece.row, 0), piece.rows, V, H);
+      reproducible::accumulate_grad_weight(dz.data(), x.data() + piece.row * H, grad_weight.data(), piece.rows, V, H);
+    } else {
+      grad_x.middleRows(piece.row, piece.rows).noalias() = dz * weight;
+      grad_weight.noalias() += dz.transpose() * x.middleRows(piece.row, piece.rows);
+    }
     if (has_bias) {
       // Column sums of a row-major block: each thread owns a band of columns and walks the rows in order.
       constexpr std::int64_t band = 4096;
@@ -248,8 +272,8 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
       }
       const double ls = hp.label_smoothing;
       const double margin = hp.beta * (average[chosen] - average[rejected]) - hp.gamma;  // s_i
-      preference_sum += -(1 - ls) * log_sigmoid(margin) - ls * log_sigmoid(-margin);
-      const double g = (-(1 - ls) * sigmoid(-margin) + ls * sigmoid(margin)) / static_cast<double>(P);
+      preference_sum += -(1 - ls) * log_sigmoid(margin, f) - ls * log_sigmoid(-margin, f);
+      const double g = (-(1 - ls) * sigmoid(-margin, f) + ls * sigmoid(margin, f)) / static_cast<double>(P);
       // k = grad_scale m (dL/davg[b] / n[b] - [b < P] alpha / N_c), with dL/davg = +beta g (chosen), -beta g.
       const double k_chosen =
           tokens[chosen] > 0 ? hp.grad_scale * (hp.beta * g / static_cast<double>(tokens[chosen]) - hp.alpha * nll_weight) : 0.0;

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake ninja-build g++ libeigen3-dev libgtest-dev librapidcheck-dev libcli11-dev nlohmann-json3-dev
+packages=(cmake ninja-build g++ libeigen3-dev libgtest-dev librapidcheck-dev libcli11-dev nlohmann-json3-dev libmpfr-dev
           python3 python3-numpy)
 missing=()
 for p in "${packages[@]}"; do
