@@ -1,5 +1,7 @@
 #include "problem/generate.h"
 
+#include "problem/memory.h"
+
 #include <cmath>
 #include <numbers>
 
@@ -43,7 +45,7 @@ IgnorePattern ignore_pattern_from_name(const std::string& name) {
 
 Problem generate(const CaseSpec& spec) {
   const Shape& s = spec.shape;
-  validate_shape(s);
+  require_memory(input_bytes(s, spec.bias), "generating the inputs of " + s.to_string());
   Rng rng(spec.seed);
   Problem p;
   p.shape = s;

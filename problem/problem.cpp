@@ -22,10 +22,16 @@ void validate_shape(const Shape& s) {
   if (s.B % 2 != 0)
     throw InputError("invalid shape " + s.to_string() +
                      ": B must be even (rows 0..P-1 chosen, P..2P-1 rejected, B = 2P)");
-  // Guards the index arithmetic below (products of int64 dimensions).
+  // Guards the index arithmetic everywhere (products of int64 dimensions), overflow-free itself.
   constexpr std::int64_t limit = std::int64_t{1} << 40;
-  if (s.B * s.T > limit / s.H || s.V > limit / s.H)
-    throw InputError("invalid shape " + s.to_string() + ": too large");
+  if (s.B > limit / s.T || s.B * s.T > limit / s.H || s.V > limit / s.H)
+    throw InputError("invalid shape " + s.to_string() + ": too large (B*T*H and V*H must stay below 2^40)");
+}
+
+std::int64_t input_bytes(const Shape& s, bool bias) {
+  validate_shape(s);
+  return (s.N() * s.H + s.V * s.H + (bias ? s.V : 0)) * static_cast<std::int64_t>(sizeof(bf16)) +
+         s.N() * static_cast<std::int64_t>(sizeof(std::int64_t));
 }
 
 void validate_hyperparameters(const Hyperparameters& hp) {

@@ -69,6 +69,8 @@ void validate(const Problem&, const ValidationOptions& = {});
 
 // Parts of the above, for callers that build a problem piece by piece.
 void validate_shape(const Shape&);
+// Bytes of a problem's inputs (x, weight, optional bias, target); validates the shape first.
+std::int64_t input_bytes(const Shape&, bool bias);
 void validate_hyperparameters(const Hyperparameters&);
 
 // "chosen sequence of pair 3" / "rejected sequence of pair 0": how errors name sequence b.

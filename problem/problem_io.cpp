@@ -1,6 +1,8 @@
 #include "problem/problem_io.h"
 
+#include <algorithm>
 #include <charconv>
+#include <cstdint>
 #include <cmath>
 
 namespace simpo {
@@ -46,6 +48,42 @@ const Tensor& require(const SafetensorsFile& f, const std::string& source, const
     throw InputError(source + ": " + name + " has shape " + shape_string(t.shape) + ", SPEC says rank " +
                      std::to_string(rank));
   return t;
+}
+
+// The keys SPEC puts in an inputs file's __metadata__, and keys other tools write there that mean nothing to SPEC
+// (Hugging Face's safetensors writers add "format"). Any other key is most likely a typo of a hyperparameter,
+// which would silently run with its default: an error naming the nearest known key.
+const std::vector<std::string>& known_metadata_keys() {
+  static const std::vector<std::string> keys = {"beta", "gamma", "alpha", "label_smoothing", "compute_nll_loss",
+                                                "ignore_index", "grad_scale", "empty_sequence", "seed", "description"};
+  return keys;
+}
+bool foreign_metadata_key(const std::string& key) { return key == "format"; }
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t substitute = diagonal + (a[i - 1] != b[j - 1]);
+      diagonal = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
+    }
+  }
+  return row[b.size()];
+}
+
+[[noreturn]] void unknown_metadata_key(const std::string& key) {
+  std::string nearest;
+  std::size_t best = SIZE_MAX;
+  for (const std::string& k : known_metadata_keys())
+    if (const std::size_t d = edit_distance(key, k); d < best) best = d, nearest = k;
+  std::string known;
+  for (const std::string& k : known_metadata_keys()) known += (known.empty() ? "" : ", ") + k;
+  throw InputError("unknown __metadata__ key \"" + key + "\" (did you mean \"" + nearest + "\"? the keys SPEC knows: " +
+                   known + ")");
 }
 
 template <class T> std::vector<T> values_of(const Tensor& t) {
@@ -96,7 +134,7 @@ Problem problem_from_file(const SafetensorsFile& f, const std::string& source) {
         else throw InputError("metadata empty_sequence = \"" + value + "\" is not \"error\" or \"zero\"");
       } else if (key == "seed") p.seed = value;
       else if (key == "description") p.description = value;
-      // Other keys are free-form provenance: kept out of the problem, never an error.
+      else if (!foreign_metadata_key(key)) unknown_metadata_key(key);
     }
   } catch (const InputError& e) {
     throw InputError(source + ": " + e.what());
@@ -126,7 +164,9 @@ SafetensorsFile problem_to_file(const Problem& p) {
 }
 
 Problem load_problem(const std::string& path) { return problem_from_file(read_safetensors(path), path); }
-void save_problem(const std::string& path, const Problem& p) { write_safetensors(path, problem_to_file(p)); }
+void save_problem(const std::string& path, const Problem& p, const std::vector<std::string>& never_replace) {
+  write_safetensors(path, problem_to_file(p), never_replace);
+}
 
 TensorMap load_outputs(const std::string& path) {
   SafetensorsFile f = read_safetensors(path);
@@ -138,8 +178,9 @@ TensorMap load_outputs(const std::string& path) {
   return std::move(f.tensors);
 }
 
-void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata) {
-  write_safetensors(path, SafetensorsFile{outputs, metadata});
+void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata,
+                  const std::vector<std::string>& never_replace) {
+  write_safetensors(path, SafetensorsFile{outputs, metadata}, never_replace);
 }
 
 }  // namespace simpo

@@ -11,10 +11,12 @@ namespace simpo {
 Problem problem_from_file(const SafetensorsFile&, const std::string& source_name);
 SafetensorsFile problem_to_file(const Problem&);
 Problem load_problem(const std::string& path);
-void save_problem(const std::string& path, const Problem&);
+void save_problem(const std::string& path, const Problem&, const std::vector<std::string>& never_replace = {});
 
 // Outputs file: any subset of SPEC's output names (unknown names are an error naming them).
 TensorMap load_outputs(const std::string& path);
-void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata = {});
+// never_replace: the command's inputs files (safetensors.h: write_safetensors).
+void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata = {},
+                  const std::vector<std::string>& never_replace = {});
 
 }  // namespace simpo

@@ -1,11 +1,18 @@
 #include "problem/safetensors.h"
 
+#include "problem/memory.h"
 #include "problem/problem.h"
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
-#include <cstdio>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -69,12 +76,8 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& s
       if (begin > end || end > data_size)
         throw InputError("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
                          "] are out of range of the " + std::to_string(data_size) + "-byte data section");
-      std::uint64_t count = 1;
-      bool overflow = false;
-      for (auto d : t.shape) overflow |= __builtin_mul_overflow(count, static_cast<std::uint64_t>(d), &count);
-      std::uint64_t size = 0;
-      overflow |= __builtin_mul_overflow(count, dtype_size(t.dtype), &size);
-      if (overflow || size != end - begin)
+      const auto size = static_cast<std::uint64_t>(checked_numel(t.shape, dtype_size(t.dtype))) * dtype_size(t.dtype);
+      if (size != end - begin)
         throw InputError(dtype_name(t.dtype) + " " + shape_string(t.shape) + " disagrees with its " +
                          std::to_string(end - begin) + " bytes of data");
       const char* src = bytes.data() + data_begin + begin;
@@ -85,6 +88,9 @@ SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& s
       throw fail("tensor \"" + name + "\": " + e.what());
     }
   }
+  // Zero-length tensors occupy no bytes, so they overlap nothing (an H = 0 file puts x and weight at one
+  // offset; its shape is then what validation names).
+  std::erase_if(entries, [](const Entry& e) { return e.begin == e.end; });
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
   for (std::size_t i = 1; i < entries.size(); ++i)
     if (entries[i].begin < entries[i - 1].end)
@@ -111,7 +117,30 @@ std::string serialize_safetensors(const SafetensorsFile& file) {
   return out;
 }
 
+namespace {
+
+// "a directory", "a symbolic link", ...: what a path is when it is not a regular file; empty when it is one.
+std::string not_regular_kind(const struct stat& st) {
+  if (S_ISREG(st.st_mode)) return {};
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISLNK(st.st_mode)) return "a symbolic link";
+  if (S_ISFIFO(st.st_mode)) return "a FIFO";
+  if (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) return "a device";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  return "not a regular file";
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+}  // namespace
+
 SafetensorsFile read_safetensors(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) throw InputError(path + ": cannot open for reading (" + errno_text() + ")");
+  if (const std::string kind = not_regular_kind(st); !kind.empty())
+    throw InputError(path + " is " + kind + ", not a safetensors file");
+  // The file's bytes, then its tensors: about twice its size while parsing.
+  require_memory(2 * static_cast<std::int64_t>(st.st_size), "reading " + path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path + ": cannot open for reading");
   std::ostringstream buffer;
@@ -120,22 +149,56 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return parse_safetensors(buffer.str(), path);
 }
 
-void write_safetensors(const std::string& path, const SafetensorsFile& file) {
-  const std::string bytes = serialize_safetensors(file);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw InputError(path + ": cannot open for writing");
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      throw InputError(path + ": write failed (disk full?)");
+void check_writable(const std::string& path, const std::vector<std::string>& never_replace) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (const std::string kind = not_regular_kind(st); !kind.empty())
+      throw InputError(path + " is " + kind + "; outputs are written only as regular files (give another path)");
+    for (const std::string& input : never_replace) {
+      std::error_code ec;
+      if (std::filesystem::equivalent(path, input, ec))
+        throw InputError("refusing to write " + path + ": it is the same file as the input " + input +
+                         ", which would be lost (give another output path)");
     }
+  } else if (errno != ENOENT) {
+    throw InputError(path + ": cannot write here (" + errno_text() + ")");
+  }
+}
+
+void write_safetensors(const std::string& path, const SafetensorsFile& file, const std::vector<std::string>& never_replace) {
+  check_writable(path, never_replace);
+  const std::string bytes = serialize_safetensors(file);
+  const std::filesystem::path target(path);
+  const std::filesystem::path folder = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  std::string tmp = (folder / ("." + target.filename().string() + ".XXXXXX")).string();
+  const int fd = mkstemp(tmp.data());
+  if (fd < 0) throw InputError(path + ": cannot create a temporary file in " + folder.string() + " (" + errno_text() + ")");
+  auto fail = [&](const std::string& why) {
+    const std::string message = path + ": " + why + " (" + errno_text() + ")";
+    close(fd);
+    unlink(tmp.c_str());
+    return InputError(message);
+  };
+  // mkstemp creates the file 0600; an outputs file gets the permissions any new file would (0666 less umask).
+  const mode_t mask = umask(0);
+  umask(mask);
+  if (fchmod(fd, 0666 & ~mask) != 0) throw fail("cannot set the temporary file's permissions");
+  for (std::size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw fail("write failed after " + std::to_string(done) + " of " + std::to_string(bytes.size()) + " bytes");
+    done += static_cast<std::size_t>(n);
+  }
+  if (fsync(fd) != 0) throw fail("write failed (fsync)");
+  if (close(fd) != 0) {
+    const std::string message = path + ": write failed on close (" + errno_text() + ")";
+    unlink(tmp.c_str());
+    throw InputError(message);
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw InputError(path + ": cannot rename the finished file into place");
+    const std::string message = path + ": cannot rename the finished file into place (" + errno_text() + ")";
+    unlink(tmp.c_str());
+    throw InputError(message);
   }
 }
 

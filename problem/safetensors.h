@@ -7,6 +7,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace simpo {
 
@@ -18,8 +19,19 @@ struct SafetensorsFile {
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& source_name);
 std::string serialize_safetensors(const SafetensorsFile&);  // deterministic: tensors in name order
 
+// Reads a regular file; a directory, a FIFO or a device is an InputError saying which, and a file larger than the
+// memory available (problem/memory.h) is refused before it is read.
 SafetensorsFile read_safetensors(const std::string& path);
-// Writes to a temporary file beside `path` and renames it, so a failure never leaves a half-written file.
-void write_safetensors(const std::string& path, const SafetensorsFile&);
+
+// Nothing a write does can lose a file:
+// - `path` must be a regular file or not exist: a symbolic link, a device (/dev/null, /dev/full), a FIFO or a
+//   directory is refused, never replaced;
+// - `path` must not be any of `never_replace` (the command's inputs), compared as files (the same inode), so
+//   `./a/../a`, a hard link or a symlink to an input are caught too;
+// - the bytes go to a unique temporary file beside `path` (mkstemp), flushed, then renamed over it; on every
+//   failure the temporary is removed and `path` is untouched.
+// check_writable() runs the first two checks alone, so a command can refuse before it spends minutes computing.
+void check_writable(const std::string& path, const std::vector<std::string>& never_replace = {});
+void write_safetensors(const std::string& path, const SafetensorsFile&, const std::vector<std::string>& never_replace = {});
 
 }  // namespace simpo

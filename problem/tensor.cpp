@@ -49,15 +49,22 @@ std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape)
   return s + ")";
 }
 
-Tensor::Tensor(DType dtype_, std::vector<std::int64_t> shape_) : dtype(dtype_), shape(std::move(shape_)) {
-  bytes.assign(static_cast<std::size_t>(numel()) * dtype_size(dtype), std::byte{0});
-}
-
-std::int64_t Tensor::numel() const {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
+std::int64_t checked_numel(const std::vector<std::int64_t>& shape, std::size_t element_bytes) {
+  std::int64_t n = 1, nonzero = static_cast<std::int64_t>(element_bytes);
+  for (const auto d : shape) {
+    if (d < 0) throw InputError("shape " + shape_string(shape) + " has a negative dimension");
+    n *= d;  // cannot overflow: |n| <= nonzero, which is checked below
+    if (d != 0 && __builtin_mul_overflow(nonzero, d, &nonzero))
+      throw InputError("shape " + shape_string(shape) + " has more elements than 64-bit sizes can count");
+  }
   return n;
 }
+
+Tensor::Tensor(DType dtype_, std::vector<std::int64_t> shape_) : dtype(dtype_), shape(std::move(shape_)) {
+  bytes.assign(static_cast<std::size_t>(checked_numel(shape, dtype_size(dtype))) * dtype_size(dtype), std::byte{0});
+}
+
+std::int64_t Tensor::numel() const { return checked_numel(shape); }
 
 void check_dtype(const Tensor& t, DType wanted) {
   if (t.dtype != wanted)

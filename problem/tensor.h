@@ -31,6 +31,9 @@ template <> constexpr DType dtype_of<double>() { return DType::F64; }
 template <> constexpr DType dtype_of<std::int64_t>() { return DType::I64; }
 
 std::string shape_string(const std::vector<std::int64_t>& shape);  // "[2, 3, 4]"
+// The element count of a shape, checked: a negative dimension, or a product (of the non-zero dimensions too, so
+// that [2^32, 2^31, 0] is refused) whose bytes would not fit in 63 bits, is an InputError naming the shape.
+std::int64_t checked_numel(const std::vector<std::int64_t>& shape, std::size_t element_bytes = 1);
 // Row-major multi-index of flat index i: "(0, 1, 3)"; "()" for a scalar. How errors name an element.
 std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape);
 

@@ -13,6 +13,8 @@
 #include "reference/reference_core.h"
 #include "reference/reproducible_math.h"
 
+#include "problem/memory.h"
+
 #include <Eigen/Core>
 
 #include <algorithm>
@@ -336,9 +338,18 @@ Device resolve(Device d) {
   return d;
 }
 
+std::int64_t required_bytes(const Shape& s, bool bias, const Options& options) {
+  validate_shape(s);
+  const std::int64_t values = s.N() * s.H + s.V * s.H + (bias ? s.V : 0);
+  const std::int64_t f64 = static_cast<std::int64_t>(sizeof(double));
+  return values * f64 * (options.gradients ? 2 : 1) + plan(s, options).buffer_rows * s.V * f64 + 5 * s.N() * f64;
+}
+
 TensorMap compute(const Problem& problem, const Options& options) {
   validate(problem);
   resolve(options.reproducible ? Device::cpu : options.device);
+  require_memory(required_bytes(problem.shape, problem.bias.has_value(), options),
+                 "the float64 reference on " + problem.shape.to_string());
   const Shape& s = problem.shape;
   const std::vector<double> x = widen(problem.x);
   const std::vector<double> weight = widen(problem.weight);

@@ -33,6 +33,11 @@ struct Options {
   std::function<void(double)> progress;
 };
 
+// Host memory compute() takes for this shape beyond the problem itself: the inputs widened to float64, the float64
+// gradients, one chunk of float64 logits and a few numbers per row. compute() refuses (InputError naming the
+// bytes) a run that needs more than the machine has, before allocating.
+std::int64_t required_bytes(const Shape&, bool bias, const Options& = {});
+
 // Validates (simpo::validate) and computes SPEC's outputs: every tensor F64, grad_bias only with a bias.
 // When compute_nll_loss is on but there is no chosen completion token (allowed only with alpha = 0), nll_loss
 // is reported as 0 rather than 0/0.

@@ -123,6 +123,7 @@ struct ComputeArgs {
 
 int run_compute(const ComputeArgs& a) {
   const sv::Implementation impl = sv::implementation_by_name(a.impl);
+  simpo::check_writable(a.out, {a.inputs});  // before the minutes a large reference run can take
   const simpo::Problem problem = simpo::load_problem(a.inputs);
   sv::RunOptions options;
   options.gradients = !a.no_grad;
@@ -132,7 +133,7 @@ int run_compute(const ComputeArgs& a) {
   const auto start = std::chrono::steady_clock::now();
   const simpo::TensorMap outputs = impl.compute(problem, options);
   const double seconds = seconds_since(start);
-  simpo::save_outputs(a.out, outputs, {{"implementation", impl.name}, {"inputs", a.inputs}});
+  simpo::save_outputs(a.out, outputs, {{"implementation", impl.name}, {"inputs", a.inputs}}, {a.inputs});
   std::fprintf(stderr, "%s: %s in %.3f s -> %s\n", impl.name.c_str(), problem.shape.to_string().c_str(), seconds,
                a.out.c_str());
   return 0;
