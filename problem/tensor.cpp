@@ -53,9 +53,9 @@ std::int64_t checked_numel(const std::vector<std::int64_t>& shape, std::size_t e
   std::int64_t n = 1, nonzero = static_cast<std::int64_t>(element_bytes);
   for (const auto d : shape) {
     if (d < 0) throw InputError("shape " + shape_string(shape) + " has a negative dimension");
-    n *= d;  // cannot overflow: |n| <= nonzero, which is checked below
     if (d != 0 && __builtin_mul_overflow(nonzero, d, &nonzero))
       throw InputError("shape " + shape_string(shape) + " has more elements than 64-bit sizes can count");
+    n *= d;  // cannot overflow: |n| <= nonzero, checked just above
   }
   return n;
 }
