@@ -168,15 +168,16 @@ void save_problem(const std::string& path, const Problem& p, const std::vector<s
   write_safetensors(path, problem_to_file(p), never_replace);
 }
 
-TensorMap load_outputs(const std::string& path) {
-  SafetensorsFile f = read_safetensors(path);
+TensorMap outputs_from_file(SafetensorsFile f, const std::string& source_name) {
   for (const auto& [name, t] : f.tensors) {
     bool known = false;
     for (const auto& n : all_output_names()) known |= (n == name);
-    if (!known) throw InputError(path + ": unknown output tensor \"" + name + "\" (SPEC's outputs: loss, nll_loss, ...)");
+    if (!known) throw InputError(source_name + ": unknown output tensor \"" + name + "\" (SPEC's outputs: loss, nll_loss, ...)");
   }
   return std::move(f.tensors);
 }
+
+TensorMap load_outputs(const std::string& path) { return outputs_from_file(read_safetensors(path), path); }
 
 void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata,
                   const std::vector<std::string>& never_replace) {

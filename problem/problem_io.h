@@ -14,6 +14,7 @@ Problem load_problem(const std::string& path);
 void save_problem(const std::string& path, const Problem&, const std::vector<std::string>& never_replace = {});
 
 // Outputs file: any subset of SPEC's output names (unknown names are an error naming them).
+TensorMap outputs_from_file(SafetensorsFile, const std::string& source_name);
 TensorMap load_outputs(const std::string& path);
 // never_replace: the command's inputs files (safetensors.h: write_safetensors).
 void save_outputs(const std::string& path, const TensorMap& outputs, const std::map<std::string, std::string>& metadata = {},

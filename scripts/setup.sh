@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake ninja-build g++ libeigen3-dev libgtest-dev librapidcheck-dev libcli11-dev nlohmann-json3-dev libmpfr-dev
+packages=(cmake ninja-build g++ clang libclang-rt-14-dev libomp-dev libeigen3-dev libgtest-dev librapidcheck-dev libcli11-dev nlohmann-json3-dev libmpfr-dev libopenblas-dev
           python3 python3-numpy)
 missing=()
 for p in "${packages[@]}"; do
