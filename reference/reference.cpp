@@ -1,6 +1,6 @@
 // The float64 reference: SPEC's function computed as directly as bounded memory allows.
 //
-// Idea: walk the pairs in blocks. For a block, compute its logits with one GEMM per segment (chosen rows, then
+// Idea: walk the pairs in blocks. For a block, compute its logits with one GEMM (OpenBLAS) per segment (chosen rows, then
 // rejected rows), reduce each row to three numbers (log-sum-exp, token log-prob, sum of logits), and from those the
 // pair's averages, preference term and the per-row factor k of SPEC. Then overwrite the logits with
 // dz = k (onehot - softmax) and finish with two more GEMMs: grad_x = dz W and grad_W += dz^T x. A pair has to be
@@ -10,10 +10,15 @@
 // Nothing here shares code with the fused backends: an oracle that borrowed their math would inherit their bugs.
 #include "reference/reference.h"
 
+#include "reference/blas_products.h"
 #include "reference/reference_core.h"
 #include "reference/reproducible_math.h"
 
 #include "problem/memory.h"
+
+#ifdef SIMPO_REFERENCE_HAVE_CUDA
+#include "reference/cuda/reference_cuda.h"
+#endif
 
 #include <Eigen/Core>
 
@@ -29,19 +34,9 @@ using RowMajorMatrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eig
 using MatrixView = Eigen::Map<RowMajorMatrix>;
 using ConstMatrixView = Eigen::Map<const RowMajorMatrix>;
 
-// The elementary functions the reference uses: libm's, or correctly rounded ones (Options::reproducible).
-struct Elementary {
-  double (*exp)(double);
-  double (*log1p)(double);
-  double (*expm1)(double);
-};
 double libm_exp(double x) { return std::exp(x); }
 double libm_log1p(double x) { return std::log1p(x); }
 double libm_expm1(double x) { return std::expm1(x); }
-Elementary elementary(const Options& options) {
-  if (options.reproducible) return {reproducible::exp, reproducible::log1p, reproducible::expm1};
-  return {libm_exp, libm_log1p, libm_expm1};
-}
 
 // log sigmoid(s) = min(s, 0) - log1p(exp(-|s|)): the exponent is never positive, so nothing overflows, and log1p
 // keeps the tiny values log sigmoid takes at large positive s.
@@ -60,15 +55,18 @@ constexpr std::int64_t whole_pair_bytes = std::int64_t{4} << 30;
 // ...and a pair too large for that is walked in pieces of about this size.
 constexpr std::int64_t piece_bytes = std::int64_t{256} << 20;
 
-// How the rows are walked. A block is the pairs [first, first + pairs); its rows form two contiguous segments of
-// x: chosen rows [first T, (first + pairs) T) and rejected rows [(P + first) T, ...). A piece is a run of rows
-// of one segment that goes through the GEMMs together; it lives at row `slot` of the logits buffer.
-struct Schedule {
-  bool keep_logits;             // every piece of a block in the buffer at once: 3 GEMMs, no recomputation
-  std::int64_t pairs_per_block;
-  std::int64_t piece_rows;
-  std::int64_t buffer_rows;
-};
+void check_size(const char* name, std::size_t have, std::int64_t want) {
+  if (static_cast<std::int64_t>(have) != want)
+    throw InputError(std::string("reference: ") + name + " holds " + std::to_string(have) + " values, the shape needs " +
+                     std::to_string(want));
+}
+
+}  // namespace
+
+Elementary elementary(const Options& options) {
+  if (options.reproducible) return {reproducible::exp, reproducible::log1p, reproducible::expm1};
+  return {libm_exp, libm_log1p, libm_expm1};
+}
 
 Schedule plan(const Shape& s, const Options& options) {
   const std::int64_t row_bytes = s.V * static_cast<std::int64_t>(sizeof(double));
@@ -85,12 +83,6 @@ Schedule plan(const Shape& s, const Options& options) {
   return {false, 1, piece, piece};
 }
 
-struct Piece {
-  std::int64_t row;   // first global token row (b * T + t)
-  std::int64_t rows;
-  std::int64_t slot;  // first row in the logits buffer
-};
-
 std::vector<Piece> pieces_of_block(const Shape& s, const Schedule& schedule, std::int64_t first, std::int64_t pairs) {
   std::vector<Piece> pieces;
   const std::int64_t segment_rows = pairs * s.T;
@@ -105,13 +97,63 @@ std::vector<Piece> pieces_of_block(const Shape& s, const Schedule& schedule, std
   return pieces;
 }
 
-void check_size(const char* name, std::size_t have, std::int64_t want) {
-  if (static_cast<std::int64_t>(have) != want)
-    throw InputError(std::string("reference: ") + name + " holds " + std::to_string(have) + " values, the shape needs " +
-                     std::to_string(want));
+PairTerms::PairTerms(const Shape& s, const Hyperparameters& hp, std::span<const std::int64_t> target,
+                     const Options& options)
+    : lse(s.N()), logprob(s.N(), 0.0), logit_sum(s.N()), k(s.N(), 0.0), shape_(s), hp_(hp), target_(target),
+      f_(elementary(options)), tokens_(static_cast<std::size_t>(s.B), 0), average_(static_cast<std::size_t>(s.B), 0.0) {
+  // What the targets alone decide: tokens per sequence n[b] and the NLL's 1/N_c (0 without an NLL term, and when
+  // N_c = 0, which validation allows only with alpha = 0).
+  for (std::int64_t row = 0; row < s.N(); ++row) tokens_[row / s.T] += completion(row);
+  std::int64_t chosen_tokens = 0;
+  for (std::int64_t b = 0; b < s.P(); ++b) chosen_tokens += tokens_[b];
+  nll_weight_ = hp.compute_nll_loss && chosen_tokens > 0 ? 1.0 / static_cast<double>(chosen_tokens) : 0.0;
 }
 
-}  // namespace
+void PairTerms::close_pairs(std::int64_t first, std::int64_t pairs) {
+  const std::int64_t T = shape_.T, P = shape_.P();
+  const Hyperparameters& hp = hp_;
+  for (std::int64_t i = first; i < first + pairs; ++i) {
+    const std::int64_t chosen = i, rejected = P + i;
+    for (const std::int64_t b : {chosen, rejected}) {
+      double logprob_sum = 0;
+      for (std::int64_t row = b * T; row < (b + 1) * T; ++row)
+        if (completion(row)) logprob_sum += logprob[row];
+      // n[b] = 0 reaches here only with empty_sequence = zero: the average is 0 and carries no gradient.
+      average_[b] = tokens_[b] > 0 ? logprob_sum / static_cast<double>(tokens_[b]) : 0.0;
+      if (b == chosen) chosen_logprob_sum_ += logprob_sum;
+    }
+    const double ls = hp.label_smoothing;
+    const double margin = hp.beta * (average_[chosen] - average_[rejected]) - hp.gamma;  // s_i
+    preference_sum_ += -(1 - ls) * log_sigmoid(margin, f_) - ls * log_sigmoid(-margin, f_);
+    const double g = (-(1 - ls) * sigmoid(-margin, f_) + ls * sigmoid(margin, f_)) / static_cast<double>(P);
+    // k = grad_scale m (dL/davg[b] / n[b] - [b < P] alpha / N_c), with dL/davg = +beta g (chosen), -beta g.
+    const double k_chosen = tokens_[chosen] > 0
+                                ? hp.grad_scale * (hp.beta * g / static_cast<double>(tokens_[chosen]) - hp.alpha * nll_weight_)
+                                : 0.0;
+    const double k_rejected =
+        tokens_[rejected] > 0 ? hp.grad_scale * (-hp.beta * g / static_cast<double>(tokens_[rejected])) : 0.0;
+    for (std::int64_t t = 0; t < T; ++t) {
+      k[chosen * T + t] = completion(chosen * T + t) ? k_chosen : 0.0;
+      k[rejected * T + t] = completion(rejected * T + t) ? k_rejected : 0.0;
+    }
+  }
+}
+
+ForwardOutputs PairTerms::finish() const {
+  const std::int64_t T = shape_.T, V = shape_.V, P = shape_.P(), N = shape_.N();
+  ForwardOutputs out;
+  out.nll_loss = -chosen_logprob_sum_ * nll_weight_;
+  out.loss = hp_.alpha * out.nll_loss + preference_sum_ / static_cast<double>(P);
+  double chosen_logits = 0, rejected_logits = 0;
+  for (std::int64_t row = 0; row < P * T; ++row) chosen_logits += logit_sum[row];
+  for (std::int64_t row = P * T; row < N; ++row) rejected_logits += logit_sum[row];
+  const double logits_per_side = static_cast<double>(P) * static_cast<double>(T) * static_cast<double>(V);
+  out.chosen_logits_mean = chosen_logits / logits_per_side;
+  out.rejected_logits_mean = rejected_logits / logits_per_side;
+  out.chosen_logps.assign(average_.begin(), average_.begin() + P);
+  out.rejected_logps.assign(average_.begin() + P, average_.end());
+  return out;
+}
 
 std::vector<double> widen(std::span<const bf16> values) {
   std::vector<double> out(values.size());
@@ -122,9 +164,14 @@ std::vector<double> widen(std::span<const bf16> values) {
 }
 
 ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, GradientOutputs gradients) {
+  if (!options.reproducible && resolve(options.device) == Device::cuda) {
+#ifdef SIMPO_REFERENCE_HAVE_CUDA
+    return cuda::compute_core(in, options, gradients);
+#endif
+  }
   const Shape& s = in.shape;
   const Hyperparameters& hp = in.hp;
-  const std::int64_t T = s.T, H = s.H, V = s.V, P = s.P(), N = s.N();
+  const std::int64_t H = s.H, V = s.V, P = s.P(), N = s.N();
   const bool has_bias = !in.bias.empty();
   check_size("x", in.x.size(), N * H);
   check_size("weight", in.weight.size(), V * H);
@@ -139,20 +186,9 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
   const Elementary f = elementary(options);
   const ConstMatrixView x(in.x.data(), N, H);
   const ConstMatrixView weight(in.weight.data(), V, H);
-  auto completion = [&](std::int64_t row) { return in.target[row] != hp.ignore_index; };
-
-  // What the targets alone decide: tokens per sequence n[b] and the NLL's 1/N_c (0 without an NLL term, and when
-  // N_c = 0, which validation allows only with alpha = 0).
-  std::vector<std::int64_t> tokens(static_cast<std::size_t>(s.B), 0);
-  for (std::int64_t row = 0; row < N; ++row) tokens[row / T] += completion(row);
-  std::int64_t chosen_tokens = 0;
-  for (std::int64_t b = 0; b < P; ++b) chosen_tokens += tokens[b];
-  const double nll_weight = hp.compute_nll_loss && chosen_tokens > 0 ? 1.0 / static_cast<double>(chosen_tokens) : 0.0;
-
-  // Per row: the three numbers the logits reduce to (lse, the token log-prob l, the sum of logits), and k, the
-  // row's factor of dz.
-  std::vector<double> lse(N), logprob(N, 0.0), logit_sum(N), k(N, 0.0);
-  std::vector<double> average(static_cast<std::size_t>(s.B), 0.0);
+  PairTerms terms(s, hp, in.target, options);
+  std::vector<double>&lse = terms.lse, &logprob = terms.logprob, &logit_sum = terms.logit_sum, &k = terms.k;
+  auto completion = [&](std::int64_t row) { return terms.completion(row); };
 
   const Schedule schedule = plan(s, options);
   RowMajorMatrix logits(schedule.buffer_rows, V);
@@ -177,7 +213,7 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
     if (options.reproducible)
       reproducible::logits(x.data() + piece.row * H, weight.data(), z.data(), piece.rows, V, H);
     else
-      z.noalias() = x.middleRows(piece.row, piece.rows) * weight.transpose();
+      blas::logits(x.data() + piece.row * H, weight.data(), z.data(), piece.rows, V, H);
     if (has_bias) {
       const Eigen::Map<const Eigen::RowVectorXd> bias(in.bias.data(), V);
 #pragma omp parallel for schedule(static)
@@ -234,8 +270,8 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
       reproducible::grad_x(dz.data(), weight.data(), &grad_x(piece.row, 0), piece.rows, V, H);
       reproducible::accumulate_grad_weight(dz.data(), x.data() + piece.row * H, grad_weight.data(), piece.rows, V, H);
     } else {
-      grad_x.middleRows(piece.row, piece.rows).noalias() = dz * weight;
-      grad_weight.noalias() += dz.transpose() * x.middleRows(piece.row, piece.rows);
+      blas::grad_x(dz.data(), weight.data(), &grad_x(piece.row, 0), piece.rows, V, H);
+      blas::accumulate_grad_weight(dz.data(), x.data() + piece.row * H, grad_weight.data(), piece.rows, V, H);
     }
     if (has_bias) {
       // Column sums of a row-major block: each thread owns a band of columns and walks the rows in order.
@@ -252,7 +288,6 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
     }
   };
 
-  double preference_sum = 0, chosen_logprob_sum = 0;
   for (std::int64_t first = 0; first < P; first += schedule.pairs_per_block) {
     const std::int64_t pairs = std::min(schedule.pairs_per_block, P - first);
     const std::vector<Piece> pieces = pieces_of_block(s, schedule, first, pairs);
@@ -261,30 +296,7 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
       reduce_rows(piece);
       advance(piece.rows, 1);
     }
-
-    for (std::int64_t i = first; i < first + pairs; ++i) {
-      const std::int64_t chosen = i, rejected = P + i;
-      for (const std::int64_t b : {chosen, rejected}) {
-        double logprob_sum = 0;
-        for (std::int64_t row = b * T; row < (b + 1) * T; ++row)
-          if (completion(row)) logprob_sum += logprob[row];
-        // n[b] = 0 reaches here only with empty_sequence = zero: the average is 0 and carries no gradient.
-        average[b] = tokens[b] > 0 ? logprob_sum / static_cast<double>(tokens[b]) : 0.0;
-        if (b == chosen) chosen_logprob_sum += logprob_sum;
-      }
-      const double ls = hp.label_smoothing;
-      const double margin = hp.beta * (average[chosen] - average[rejected]) - hp.gamma;  // s_i
-      preference_sum += -(1 - ls) * log_sigmoid(margin, f) - ls * log_sigmoid(-margin, f);
-      const double g = (-(1 - ls) * sigmoid(-margin, f) + ls * sigmoid(margin, f)) / static_cast<double>(P);
-      // k = grad_scale m (dL/davg[b] / n[b] - [b < P] alpha / N_c), with dL/davg = +beta g (chosen), -beta g.
-      const double k_chosen =
-          tokens[chosen] > 0 ? hp.grad_scale * (hp.beta * g / static_cast<double>(tokens[chosen]) - hp.alpha * nll_weight) : 0.0;
-      const double k_rejected = tokens[rejected] > 0 ? hp.grad_scale * (-hp.beta * g / static_cast<double>(tokens[rejected])) : 0.0;
-      for (std::int64_t t = 0; t < T; ++t) {
-        k[chosen * T + t] = completion(chosen * T + t) ? k_chosen : 0.0;
-        k[rejected * T + t] = completion(rejected * T + t) ? k_rejected : 0.0;
-      }
-    }
+    terms.close_pairs(first, pairs);
 
     if (!options.gradients) continue;
     for (const Piece& piece : pieces) {
@@ -298,18 +310,7 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
     }
   }
 
-  ForwardOutputs out;
-  out.nll_loss = -chosen_logprob_sum * nll_weight;
-  out.loss = hp.alpha * out.nll_loss + preference_sum / static_cast<double>(P);
-  double chosen_logits = 0, rejected_logits = 0;
-  for (std::int64_t row = 0; row < P * T; ++row) chosen_logits += logit_sum[row];
-  for (std::int64_t row = P * T; row < N; ++row) rejected_logits += logit_sum[row];
-  const double logits_per_side = static_cast<double>(P) * static_cast<double>(T) * static_cast<double>(V);
-  out.chosen_logits_mean = chosen_logits / logits_per_side;
-  out.rejected_logits_mean = rejected_logits / logits_per_side;
-  out.chosen_logps.assign(average.begin(), average.begin() + P);
-  out.rejected_logps.assign(average.begin() + P, average.end());
-  return out;
+  return terms.finish();
 }
 
 std::string device_name(Device d) {
@@ -328,13 +329,20 @@ Device device_from_name(const std::string& name) {
   throw InputError("reference \"" + name + "\": expected cpu, cuda or auto");
 }
 
-// reference-cuda is not built yet: the CPU reference everywhere.
-bool cuda_available() { return false; }
+// Why reference-cuda cannot run here ("" when it can).
+std::string cuda_unavailable_reason() {
+#ifdef SIMPO_REFERENCE_HAVE_CUDA
+  return cuda::unavailable_reason();
+#else
+  return "this build has no reference-cuda (no CUDA compiler was found when it was configured, or SIMPO_ENABLE_CUDA=OFF)";
+#endif
+}
+
+bool cuda_available() { return cuda_unavailable_reason().empty(); }
 
 Device resolve(Device d) {
   if (d == Device::automatic) return cuda_available() ? Device::cuda : Device::cpu;
-  if (d == Device::cuda && !cuda_available())
-    throw InputError("reference cuda: no CUDA device here (or reference-cuda was not built)");
+  if (d == Device::cuda && !cuda_available()) throw InputError("reference cuda: " + cuda_unavailable_reason());
   return d;
 }
 
@@ -342,18 +350,24 @@ std::int64_t required_bytes(const Shape& s, bool bias, const Options& options) {
   validate_shape(s);
   const std::int64_t values = s.N() * s.H + s.V * s.H + (bias ? s.V : 0);
   const std::int64_t f64 = static_cast<std::int64_t>(sizeof(double));
+  // reference-cuda keeps the inputs and the logits on the device: the host holds the float64 gradients and a few
+  // numbers per row.
+  if (options.device == Device::cuda && !options.reproducible) return (options.gradients ? values * f64 : 0) + 5 * s.N() * f64;
   return values * f64 * (options.gradients ? 2 : 1) + plan(s, options).buffer_rows * s.V * f64 + 5 * s.N() * f64;
 }
 
 TensorMap compute(const Problem& problem, const Options& options) {
   validate(problem);
-  resolve(options.reproducible ? Device::cpu : options.device);
-  require_memory(required_bytes(problem.shape, problem.bias.has_value(), options),
-                 "the float64 reference on " + problem.shape.to_string());
+  Options resolved = options;
+  resolved.device = options.reproducible ? Device::cpu : resolve(options.device);
+  require_memory(required_bytes(problem.shape, problem.bias.has_value(), resolved),
+                 "the float64 reference (" + device_name(resolved.device) + ") on " + problem.shape.to_string());
   const Shape& s = problem.shape;
-  const std::vector<double> x = widen(problem.x);
-  const std::vector<double> weight = widen(problem.weight);
-  const std::vector<double> bias = problem.bias ? widen(*problem.bias) : std::vector<double>{};
+  const bool on_cpu = resolved.device == Device::cpu;
+  // reference-cuda widens the bf16 inputs on the device.
+  const std::vector<double> x = on_cpu ? widen(problem.x) : std::vector<double>{};
+  const std::vector<double> weight = on_cpu ? widen(problem.weight) : std::vector<double>{};
+  const std::vector<double> bias = on_cpu && problem.bias ? widen(*problem.bias) : std::vector<double>{};
 
   TensorMap out;
   GradientOutputs gradients;
@@ -369,7 +383,12 @@ TensorMap compute(const Problem& problem, const Options& options) {
     if (problem.bias) gradients.bias = make(output_name::grad_bias);
   }
 
-  const ForwardOutputs f = compute_core({s, problem.hp, x, weight, bias, problem.target}, options, gradients);
+#ifdef SIMPO_REFERENCE_HAVE_CUDA
+  const ForwardOutputs f = on_cpu ? compute_core({s, problem.hp, x, weight, bias, problem.target}, resolved, gradients)
+                                  : cuda::compute_core(problem, resolved, gradients);
+#else
+  const ForwardOutputs f = compute_core({s, problem.hp, x, weight, bias, problem.target}, resolved, gradients);
+#endif
 
   auto per_pair = [&](const std::vector<double>& values, double scale) {
     std::vector<double> scaled(values.size());

@@ -15,10 +15,13 @@ enum class Device { cpu, cuda, automatic };
 std::string device_name(Device);             // "cpu", "cuda", "auto"
 Device device_from_name(const std::string&);  // throws InputError naming the choices
 bool cuda_available();                         // reference-cuda was built and a device is present
-Device resolve(Device);                        // automatic -> cuda or cpu; cuda without a device: InputError
+std::string cuda_unavailable_reason();         // "" when cuda_available(), else why not (no build, no device)
+Device resolve(Device);                        // automatic -> cuda or cpu; cuda unavailable: InputError naming why
 
 struct Options {
   bool gradients = true;  // false: loss and auxiliary outputs only
+  // cpu: OpenBLAS products on every core. cuda: reference-cuda (reference/cuda), the same schedule with cuBLAS
+  // DGEMM and float64 kernels, chunks in device memory; its progress is reported once per block.
   Device device = Device::cpu;
   // The matrix products in one fixed summation order (plain loops, no BLAS, no threads, no FMA contraction):
   // the outputs are then the same bits on every x86-64 CPU, vector width and thread count. For the golden
@@ -33,9 +36,12 @@ struct Options {
   std::function<void(double)> progress;
 };
 
-// Host memory compute() takes for this shape beyond the problem itself: the inputs widened to float64, the float64
-// gradients, one chunk of float64 logits and a few numbers per row. compute() refuses (InputError naming the
-// bytes) a run that needs more than the machine has, before allocating.
+// Host memory compute() takes for this shape beyond the problem itself. CPU: the inputs widened to float64, the
+// float64 gradients, one chunk of float64 logits and a few numbers per row (about 16 (N H + V H) + 8 chunk V bytes:
+// 10.6 GB at the published B = 2, 11.6 GB at B = 16). Options::device = cuda: the float64 gradients and a few
+// numbers per row (8 (N H + V H): 4.3 GB at B = 2); its device memory is cuda::required_device_bytes (the CPU's
+// host figure, the bf16 inputs staged within it). compute() refuses (InputError naming the bytes) a run that
+// needs more than the machine (or the device) has, before allocating.
 std::int64_t required_bytes(const Shape&, bool bias, const Options& = {});
 
 // Validates (simpo::validate) and computes SPEC's outputs: every tensor F64, grad_bias only with a bias.

@@ -1,11 +1,12 @@
 // How close the float64 reference runs to its floor: the three float64 GEMMs any forward+backward of a linear
-// layer must do, timed in the same process with the same Eigen and the same threads.
+// layer must do, timed in the same process through the same OpenBLAS calls (reference/blas_products.h) and threads.
 //   logits       Z  = X W^T     [N,H] x [H,V]
 //   grad_x       dX = Z W       [N,V] x [V,H]
 //   grad_weight  dW = Z^T X     [V,N] x [N,H]
 // The reference does exactly these (by pieces) plus O(N V) elementwise work when whole pairs fit its chunk, so
 // the ratio reference / floor should be a little above 1; a ratio near 4/3 means it recomputed the logits.
 #include "problem/generate.h"
+#include "reference/blas_products.h"
 #include "reference/reference.h"
 #include "reference/reference_core.h"
 
@@ -45,7 +46,8 @@ int main(int argc, char** argv) {
   try {
     const simpo::Shape& s = spec.shape;
     const std::int64_t N = s.N();
-    std::printf("shape %s, %d OpenMP threads\n", s.to_string().c_str(), omp_get_max_threads());
+    std::printf("shape %s, %d OpenMP threads, %s\n", s.to_string().c_str(), omp_get_max_threads(),
+                simpo::reference::blas::description().c_str());
     auto start = std::chrono::steady_clock::now();
     const simpo::Problem problem = simpo::generate(spec);
     std::printf("generate: %.1f s\n", seconds_since(start));
@@ -54,8 +56,9 @@ int main(int argc, char** argv) {
     {
       const std::vector<double> x_values = simpo::reference::widen(problem.x);
       const std::vector<double> w_values = simpo::reference::widen(problem.weight);
-      const Eigen::Map<const RowMajorMatrix> X(x_values.data(), N, s.H), W(w_values.data(), s.V, s.H);
-      RowMajorMatrix Z(N, s.V), dX(N, s.H), dW(s.V, s.H);
+      const double* X = x_values.data();
+      const double* W = w_values.data();
+      RowMajorMatrix Z(N, s.V), dX(N, s.H), dW = RowMajorMatrix::Zero(s.V, s.H);
       const double flops = 2.0 * static_cast<double>(N) * static_cast<double>(s.H) * static_cast<double>(s.V);
       auto time_gemm = [&](const char* name, auto&& gemm) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -64,10 +67,11 @@ int main(int argc, char** argv) {
         std::printf("  %-28s %8.2f s  %6.1f GFLOP/s\n", name, t, flops / t * 1e-9);
         floor_seconds += t;
       };
-      std::printf("floor: three float64 GEMMs (Eigen)\n");
-      time_gemm("Z = X W^T   [N,H]x[H,V]", [&] { Z.noalias() = X * W.transpose(); });
-      time_gemm("dX = Z W    [N,V]x[V,H]", [&] { dX.noalias() = Z * W; });
-      time_gemm("dW = Z^T X  [V,N]x[N,H]", [&] { dW.noalias() = Z.transpose() * X; });
+      namespace blas = simpo::reference::blas;
+      std::printf("floor: three float64 GEMMs (OpenBLAS)\n");
+      time_gemm("Z = X W^T   [N,H]x[H,V]", [&] { blas::logits(X, W, Z.data(), N, s.V, s.H); });
+      time_gemm("dX = Z W    [N,V]x[V,H]", [&] { blas::grad_x(Z.data(), W, dX.data(), N, s.V, s.H); });
+      time_gemm("dW = Z^T X  [V,N]x[N,H]", [&] { blas::accumulate_grad_weight(Z.data(), X, dW.data(), N, s.V, s.H); });
       std::printf("  %-28s %8.2f s  %6.1f GFLOP/s\n", "total", floor_seconds, 3 * flops / floor_seconds * 1e-9);
     }  // the floor's buffers go before the reference allocates its own
 

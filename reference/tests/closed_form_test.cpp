@@ -7,12 +7,16 @@
 #include "reference/tests/tensor_compare.h"
 #include "reference/tests/test_problems.h"
 
+#include "reference/tests/test_device.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 namespace simpo::reference {
 namespace {
+
+using testing::test_options;
 
 using testing::scalar;
 using testing::values;
@@ -72,7 +76,7 @@ TEST_P(TwoTokenVocabulary, MatchesClosedForm) {
   const double G_c = param.chosen_empty ? 0.0 : hp.grad_scale * (hp.beta * pref_slope - (nll_on ? hp.alpha : 0.0)) * naive_sigmoid(-u_c);
   const double G_r = param.rejected_empty ? 0.0 : hp.grad_scale * (-hp.beta * pref_slope) * naive_sigmoid(-u_r);
 
-  const TensorMap out = compute(problem);
+  const TensorMap out = compute(problem, test_options());
   const double tol = kClosedFormTolerance;
   EXPECT_NEAR(scalar(out, "loss"), hp.alpha * nll + pref, tol);
   EXPECT_NEAR(scalar(out, "nll_loss"), nll, tol);
@@ -158,7 +162,7 @@ TEST(UniformLogits, MatchesClosedForm) {
       }
     }
 
-  const TensorMap out = compute(problem);
+  const TensorMap out = compute(problem, test_options());
   const double tol = kClosedFormTolerance;
   EXPECT_NEAR(scalar(out, "loss"), hp.alpha * log_v + pref, tol);
   EXPECT_NEAR(scalar(out, "nll_loss"), log_v, tol);
@@ -193,7 +197,7 @@ TEST(LargeLogits, StayFiniteAndKeepTinyValuesRelativelyExact) {
   const double q = std::exp(-640.0);
   ASSERT_GT(q, 0.0);
 
-  const TensorMap out = compute(problem);
+  const TensorMap out = compute(problem, test_options());
   for (const auto& [name, tensor] : out)
     for (double v : tensor.to_double()) EXPECT_TRUE(std::isfinite(v)) << name;
   // Relative tolerances: the values are formed by a handful of correctly rounded operations (~10 eps).

@@ -7,6 +7,8 @@
 #include "reference/reference_core.h"
 #include "reference/tests/test_problems.h"
 
+#include "reference/tests/test_device.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +18,8 @@
 
 namespace simpo::reference {
 namespace {
+
+using testing::test_options;
 
 using testing::case_spec;
 using testing::hyperparameters;
@@ -66,7 +70,7 @@ TEST_P(FiniteDifferences, EveryGradientEntryMatchesCentralDifference) {
   std::vector<double> bias = problem.bias ? widen(*problem.bias) : std::vector<double>{};
   const DoubleInputs inputs{s, problem.hp, x, weight, bias, problem.target};  // views: perturbations show through
 
-  Options options;
+  Options options = test_options();
   options.chunk_rows = param.chunk_rows;
   std::vector<double> grad_x(x.size()), grad_weight(weight.size()), grad_bias(bias.size());
   const ForwardOutputs base = compute_core(inputs, options, {grad_x, grad_weight, grad_bias});

@@ -9,6 +9,8 @@
 #include "reference/reference_core.h"
 #include "reference/tests/tensor_compare.h"
 
+#include "reference/tests/test_device.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +18,8 @@
 
 namespace simpo::reference {
 namespace {
+
+using testing::test_options;
 
 using testing::normwise_error;
 using testing::scalar;
@@ -63,7 +67,7 @@ TEST(Invariance, ConstantAddedToEveryBiasChangesOnlyTheLogitsMeans) {
     gx.resize(x.size());
     gw.resize(weight.size());
     gb.resize(b.size());
-    return compute_core({s, problem.hp, x, weight, b, problem.target}, {}, {gx, gw, gb});
+    return compute_core({s, problem.hp, x, weight, b, problem.target}, test_options(), {gx, gw, gb});
   };
   std::vector<double> gx0, gw0, gb0, gx1, gw1, gb1;
   const ForwardOutputs base = run(bias, gx0, gw0, gb0), moved = run(shifted, gx1, gw1, gb1);
@@ -85,7 +89,7 @@ TEST(Invariance, ConstantAddedToEveryBiasChangesOnlyTheLogitsMeans) {
 TEST(Invariance, GradientsOfTheSoftmaxSumToZeroOverTheVocabulary) {
   const Problem problem = make_problem(22, interesting_hp());
   const Shape& s = problem.shape;
-  const TensorMap out = compute(problem);
+  const TensorMap out = compute(problem, test_options());
   const auto grad_bias = values(out, "grad_bias"), grad_w = values(out, "grad_weight");
   double bias_sum = 0, bias_scale = 0;
   for (double g : grad_bias) {
@@ -117,7 +121,7 @@ TEST(Invariance, PermutingPairsPermutesPerPairOutputsAndGradXRows) {
   permuted.x = take_sequences(problem.x, s.T * s.H, sequence_order);
   permuted.target = take_sequences(problem.target, s.T, sequence_order);
 
-  const TensorMap a = compute(problem), b = compute(permuted);
+  const TensorMap a = compute(problem, test_options()), b = compute(permuted, test_options());
   for (const char* name : {"chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards"}) {
     const auto original = values(a, name), moved = values(b, name);
     std::vector<double> expected;
@@ -150,7 +154,7 @@ TEST(Invariance, SymmetricSmoothingIgnoresWhichSideIsChosen) {
     q.target = take_sequences(p.target, s.T, swap);
     return q;
   };
-  const TensorMap a = compute(problem), b = compute(swapped_problem(problem));
+  const TensorMap a = compute(problem, test_options()), b = compute(swapped_problem(problem), test_options());
   EXPECT_NEAR(scalar(b, "loss"), scalar(a, "loss"), kRoundingTolerance * std::abs(scalar(a, "loss")));
   EXPECT_LT(normwise_error(values(b, "chosen_logps"), values(a, "rejected_logps")), kRoundingTolerance);
   EXPECT_LT(normwise_error(values(b, "rejected_logps"), values(a, "chosen_logps")), kRoundingTolerance);
@@ -160,7 +164,7 @@ TEST(Invariance, SymmetricSmoothingIgnoresWhichSideIsChosen) {
   // Teeth: with ls = 0.15 the term is not even, and the same swap changes the loss.
   Problem asymmetric = problem;
   asymmetric.hp.label_smoothing = 0.15;
-  const double l0 = scalar(compute(asymmetric), "loss"), l1 = scalar(compute(swapped_problem(asymmetric)), "loss");
+  const double l0 = scalar(compute(asymmetric, test_options()), "loss"), l1 = scalar(compute(swapped_problem(asymmetric), test_options()), "loss");
   EXPECT_GT(std::abs(l1 - l0), 1e-6 * std::abs(l0));
 }
 
@@ -171,7 +175,7 @@ TEST(Invariance, GradXRowsAtIgnoredPositionsAreExactlyZero) {
     const Problem problem = make_problem(25, interesting_hp(), true, ignore);
     const Shape& s = problem.shape;
     for (const std::int64_t chunk_rows : {0, 1, 3, 8, 1000}) {
-      Options options;
+      Options options = test_options();
       options.chunk_rows = chunk_rows;
       const auto grad_x = values(compute(problem, options), "grad_x");
       int ignored = 0;
@@ -194,11 +198,11 @@ TEST(Invariance, GradXRowsAtIgnoredPositionsAreExactlyZero) {
 // recomputing the logits, in pieces that do or do not divide T.
 TEST(Invariance, ScheduleDoesNotChangeTheResult) {
   const Problem problem = make_problem(26, interesting_hp());
-  Options whole;
+  Options whole = test_options();
   whole.chunk_rows = 1 << 20;
   const TensorMap expected = compute(problem, whole);
   for (const std::int64_t chunk_rows : {0, 1, 3, 4, 8, 16, 17}) {
-    Options options;
+    Options options = test_options();
     options.chunk_rows = chunk_rows;
     const TensorMap got = compute(problem, options);
     ASSERT_EQ(got.size(), expected.size());
@@ -212,7 +216,7 @@ TEST(Outputs, HaveSpecNamesShapesAndDtypes) {
   for (const bool bias : {false, true}) {
     const Problem problem = make_problem(27, {}, bias);
     for (const bool gradients : {false, true}) {
-      Options options;
+      Options options = test_options();
       options.gradients = gradients;
       const TensorMap out = compute(problem, options);
       std::size_t expected_count = 0;
@@ -232,9 +236,9 @@ TEST(Outputs, HaveSpecNamesShapesAndDtypes) {
 
 TEST(Outputs, LossOnlyModeGivesTheSameForwardOutputs) {
   const Problem problem = make_problem(28, interesting_hp());
-  Options loss_only;
+  Options loss_only = test_options();
   loss_only.gradients = false;
-  const TensorMap full = compute(problem), forward = compute(problem, loss_only);
+  const TensorMap full = compute(problem, test_options()), forward = compute(problem, loss_only);
   for (const auto& [name, tensor] : forward)
     EXPECT_LT(normwise_error(tensor.to_double(), values(full, name)), kRoundingTolerance) << name;
 }
@@ -243,7 +247,7 @@ TEST(Outputs, ProgressRisesToOne) {
   const Problem problem = make_problem(29);
   for (const std::int64_t chunk_rows : {0, 3}) {
     std::vector<double> reports;
-    Options options;
+    Options options = test_options();
     options.chunk_rows = chunk_rows;
     options.progress = [&](double fraction) { reports.push_back(fraction); };
     compute(problem, options);
@@ -272,9 +276,9 @@ TEST(Invariance, ReproducibleModeAgreesWithTheFastPath) {
   c.logit_scale = 8;
   c.seed = 4242;
   const Problem problem = generate(c);
-  Options reproducible;
+  Options reproducible = test_options();
   reproducible.reproducible = true;
-  const TensorMap fast = compute(problem), exact_order = compute(problem, reproducible);
+  const TensorMap fast = compute(problem, test_options()), exact_order = compute(problem, reproducible);
   ASSERT_EQ(fast.size(), exact_order.size());
   // 1e-13 above, for sums of at most V = 301 terms: 301 * 1.1e-16 * a small condition number stays under it.
   for (const auto& [name, t] : fast) EXPECT_LT(normwise_error(values(exact_order, name), values(fast, name)), kRoundingTolerance) << name;

@@ -27,12 +27,18 @@ void write_case(const std::filesystem::path& dir, const std::string& name, const
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s DIR\n", argv[0]);
+  if (argc < 2 || argc > 3) {
+    std::fprintf(stderr, "usage: %s DIR [cpu|cuda]   (which float64 reference writes the outputs; default cpu)\n", argv[0]);
     return 2;
   }
   try {
     const std::filesystem::path dir = argv[1];
+    reference::Options options;  // the device whose outputs the numpy implementation checks
+    options.device = reference::device_from_name(argc == 3 ? argv[2] : "cpu");
+    if (options.device == reference::Device::cuda && !reference::cuda_available()) {
+      std::printf("skipped: %s\n", reference::cuda_unavailable_reason().c_str());
+      return 77;  // ctest: skipped, never passed
+    }
     std::filesystem::create_directories(dir / "tampered");
 
     CaseSpec defaults = case_spec({2, 8, 16, 32}, false, IgnorePattern::prompt_prefix, 2.0, 101, {}, "defaults");
@@ -58,12 +64,12 @@ int main(int argc, char** argv) {
                                      std::pair{"empty_sequence_zero", empty}, std::pair{"no_nll", no_nll},
                                      std::pair{"large_logits", large}}) {
       const Problem problem = generate(spec);
-      write_case(dir, name, problem, reference::compute(problem));
+      write_case(dir, name, problem, reference::compute(problem, options));
       ++written;
     }
     {
       const Problem problem = generate(smoothing);
-      reference::Options loss_only;
+      reference::Options loss_only = options;
       loss_only.gradients = false;
       write_case(dir, "forward_only", problem, reference::compute(problem, loss_only));
       ++written;
@@ -73,13 +79,13 @@ int main(int argc, char** argv) {
     // float32 (what a fused backend's F32 scalar carries). Both are far below any visible error and far above
     // float64 rounding; the numpy check must reject both.
     const Problem problem = generate(smoothing);
-    TensorMap outputs = reference::compute(problem);
+    TensorMap outputs = reference::compute(problem, options);
     auto grad_weight = outputs.at("grad_weight").as<double>();
     double scale = 0;
     for (double g : grad_weight) scale = std::max(scale, std::abs(g));
     grad_weight[7] += 1e-8 * scale;
     write_case(dir / "tampered", "grad_weight_nudged", problem, outputs);
-    outputs = reference::compute(problem);
+    outputs = reference::compute(problem, options);
     auto loss = outputs.at("loss").as<double>();
     loss[0] = static_cast<double>(static_cast<float>(loss[0]));
     write_case(dir / "tampered", "loss_rounded_to_f32", problem, outputs);
