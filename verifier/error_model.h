@@ -12,6 +12,9 @@
 //   user    the caller's atol and rtol, elementwise
 // NaN or Inf where the exact value is finite always fails; a wrong dtype or shape fails; a tensor the
 // candidate lacks is "not checked", which never counts as passed.
+//
+// Files: error_bounds.cpp (profiles, scales, the derived bounds), compare.cpp (the measurement and verdicts),
+// report_format.cpp (table and JSON).
 #pragma once
 
 #include "problem/problem.h"
@@ -33,6 +36,10 @@ Profile strict_profile();
 Profile peer_profile();
 Profile user_profile(double rtol, double atol);  // InputError unless both are finite and >= 0
 Profile profile_from_name(const std::string&);   // "strict" or "peer"; InputError otherwise
+// The one resolution of the CLI's profile flags (check, case, sweep): --rtol or --atol given (either) means the
+// user profile with both (the other 0), validated by user_profile (a negative or NaN tolerance is an
+// InputError naming it, never a silent fall back to strict); else the named profile.
+Profile profile_from_flags(const std::string& name, const double* rtol, const double* atol);
 
 // What the strict bounds are derived from, measured once per problem in O(inputs).
 struct ProblemScales {
@@ -77,6 +84,16 @@ struct StrictBounds {
   double frob_bound = -1;         // gradients: rel_frob <= frob_bound (floor-dependent, filled by compare); -1: unused
 };
 StrictBounds strict_bounds(const ProblemScales&, const std::string& output_name, DType candidate_dtype);
+
+// Pieces of the strict gradient bounds (README "Error model"), used by compare:
+//   the Frobenius bound on ||candidate - exact|| for a tensor of n elements whose rounding floor is floor_abs;
+double gradient_frob_bound_abs(const ProblemScales&, const std::string& name, double floor_abs, std::int64_t n);
+//   the elementwise backstop (the whole internal budget on one element);
+double gradient_elementwise_atol(const ProblemScales&, const std::string& name);
+//   the bound for one token row of grad_x, from its own floor, k[row] and q[row].
+double grad_x_row_bound(const ProblemScales&, std::int64_t row, double row_floor_abs);
+// v rounded to dtype (round to nearest even): what the floor is measured with.
+double round_to(DType, double v);
 
 // The unit roundoff of a dtype (2^-8 for bf16, 2^-24 for f32, 2^-53 for f64) and the rms relative error of
 // rounding a typical (log-uniform mantissa) value to it: u * sqrt(1 / (8 ln 2)) = 0.4247 u.

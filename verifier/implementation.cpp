@@ -1,31 +1,60 @@
 #include "verifier/implementation.h"
 
 #include "reference/reference.h"
+#include "verifier/exec_implementation.h"
+
+#include <cctype>
+#include <cmath>
 
 namespace simpo::verifier {
 
+void validate(const RunOptions& run) {
+  if (run.max_chunk_rows < 0)
+    throw InputError("--max-chunk-rows must be >= 0 (0 lets the implementation decide), got " +
+                     std::to_string(run.max_chunk_rows));
+  if (run.workspace_bytes <= 0)
+    throw InputError("--workspace must be a positive number of bytes, got " + std::to_string(run.workspace_bytes));
+}
+
+void validate(const ImplementationOptions& options) {
+  if (!(std::isfinite(options.case_timeout_s) && options.case_timeout_s > 0))
+    throw InputError("--case-timeout must be a finite number of seconds > 0, got " + std::to_string(options.case_timeout_s));
+}
+
+Implementation make_implementation(std::string name, std::function<TensorMap(const Problem&, const RunOptions&)> compute,
+                                   bool takes_chunking) {
+  Implementation impl;
+  impl.name = std::move(name);
+  impl.takes_chunking = takes_chunking;
+  impl.compute = [compute = std::move(compute)](const Problem& problem, const RunOptions& run) {
+    validate(run);
+    return compute(problem, run);
+  };
+  return impl;
+}
+
 Implementation reference_implementation() {
-  return {"reference", [](const Problem& problem, const RunOptions& run) {
-            reference::Options options;
-            options.gradients = run.gradients;
-            options.chunk_rows = run.max_chunk_rows;
-            return reference::compute(problem, options);
-          }};
+  return make_implementation("reference", [](const Problem& problem, const RunOptions& run) {
+    reference::Options options;
+    options.gradients = run.gradients;
+    options.chunk_rows = run.max_chunk_rows;
+    return reference::compute(problem, options);
+  });
 }
 
 Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant) {
   std::string name = fused::backend_name(backend);
   if (mutant != fused::Mutant::none) name.append("+").append(fused::mutant_name(mutant));  // (GCC 12 -Wrestrict misfires on "+" + string)
-  return {name, [backend, mutant](const Problem& problem, const RunOptions& run) {
-            fused::Options options;
-            options.backend = backend;
-            options.gradients = run.gradients;
-            options.grad_weight_f32 = run.grad_f32;
-            options.workspace_bytes = run.workspace_bytes;
-            options.max_chunk_rows = run.max_chunk_rows;
-            options.mutant = mutant;
-            return fused::compute(problem, options);
-          }};
+  return make_implementation(name, [backend, mutant](const Problem& problem, const RunOptions& run) {
+    fused::Options options;
+    options.backend = backend;
+    options.gradients = run.gradients;
+    options.grad_weight_f32 = run.grad_f32;
+    options.workspace_bytes = run.workspace_bytes;
+    options.max_chunk_rows = run.max_chunk_rows;
+    options.mutant = mutant;
+    return fused::compute(problem, options);
+  });
 }
 
 std::vector<Implementation> available_implementations() {
@@ -38,7 +67,9 @@ Implementation best_available() {
   return fused_implementation(fused::cuda_available() ? fused::Backend::cuda : fused::Backend::cpu);
 }
 
-Implementation implementation_by_name(const std::string& name) {
+Implementation implementation_by_name(const std::string& name, const ImplementationOptions& options) {
+  validate(options);
+  if (name.rfind("exec:", 0) == 0) return exec_implementation(name.substr(5), options);
   if (name == "reference") return reference_implementation();
   if (name == "auto") return best_available();
   const auto plus = name.find('+');
@@ -48,6 +79,17 @@ Implementation implementation_by_name(const std::string& name) {
   const fused::Mutant mutant =
       plus == std::string::npos ? fused::Mutant::none : fused::mutant_from_name(name.substr(plus + 1));
   return fused_implementation(fused::resolve(backend), mutant);
+}
+
+std::string shell_quote(const std::string& s) {
+  bool plain = !s.empty();
+  for (char ch : s)
+    if (!(std::isalnum(static_cast<unsigned char>(ch)) || std::string("-_./:=+,@%").find(ch) != std::string::npos))
+      plain = false;
+  if (plain) return s;
+  std::string out = "'";
+  for (char ch : s) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
 }
 
 }  // namespace simpo::verifier

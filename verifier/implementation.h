@@ -1,6 +1,7 @@
 // What the verifier judges. An Implementation is a name and a function from a problem to SPEC's outputs; the
-// verifier never looks further, so the fp64 reference, the fused backends and the fused backends with a fault
-// injected (the mutants) are all judged by the same code.
+// verifier never looks further, so the fp64 reference, the fused backends, the fused backends with a fault
+// injected (the mutants) and any external program (`exec:COMMAND`, exec_implementation.h) are all judged by the
+// same code.
 #pragma once
 
 #include "fused/fused.h"
@@ -8,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -22,10 +24,35 @@ struct RunOptions {
   std::int64_t max_chunk_rows = 0;  // 0: the implementation decides
 };
 
-struct Implementation {
-  std::string name;  // "reference", "cpu", "cuda", "cpu+chunk_drops_tail"
-  std::function<TensorMap(const Problem&, const RunOptions&)> compute;
+// The one validation of run options, whatever the implementation (issue 7: the reference used to accept a
+// negative max_chunk_rows that the fused backends refused). InputError naming the option. Every Implementation
+// made by the functions below calls it before computing; the CLI calls it before reading any file.
+void validate(const RunOptions&);
+
+// How an implementation is driven, beyond one run's options.
+struct ImplementationOptions {
+  double case_timeout_s = 120;  // exec: seconds one case may take before the program is killed
 };
+void validate(const ImplementationOptions&);
+
+// An implementation that did not give a result for a reason other than refusing its inputs: an external
+// program that died, answered garbage, wrote no or a malformed outputs file, or outlived the case timeout.
+// (A refusal is an InputError, which valid_input_agrees compares with SPEC's; a fault is always a failure.)
+struct ImplementationFault : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Implementation {
+  std::string name;  // "reference", "cpu", "cuda", "cpu+chunk_drops_tail", "exec:python3 x.py"
+  std::function<TensorMap(const Problem&, const RunOptions&)> compute;
+  // Whether max_chunk_rows and workspace_bytes reach the implementation. An external program cannot be given
+  // them, so the properties that vary them are skipped for it (and the sweep draws no chunk caps for it).
+  bool takes_chunking = true;
+};
+
+// Wraps `compute` so that it validates its RunOptions first (every Implementation is made through this).
+Implementation make_implementation(std::string name, std::function<TensorMap(const Problem&, const RunOptions&)> compute,
+                                   bool takes_chunking = true);
 
 Implementation reference_implementation();
 // A fused backend, optionally with one deliberate fault (fused::Mutant) injected.
@@ -34,7 +61,11 @@ Implementation fused_implementation(fused::Backend, fused::Mutant = fused::Mutan
 std::vector<Implementation> available_implementations();
 // The fastest correct fused backend here: cuda when available, else cpu.
 Implementation best_available();
-// "reference", "cpu", "cuda", "auto" (best_available), or "<cpu|cuda>+<mutant name>". InputError otherwise.
-Implementation implementation_by_name(const std::string& name);
+// "reference", "cpu", "cuda", "auto" (best_available), "<cpu|cuda>+<mutant name>", or "exec:COMMAND"
+// (exec_implementation.h). InputError otherwise.
+Implementation implementation_by_name(const std::string& name, const ImplementationOptions& = {});
+
+// `name` quoted for a POSIX shell when it needs it ('exec:python3 x.py'), for replay commands a user can paste.
+std::string shell_quote(const std::string&);
 
 }  // namespace simpo::verifier

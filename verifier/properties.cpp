@@ -1,13 +1,8 @@
 #include "verifier/properties.h"
 
-#include "problem/problem_io.h"
-
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <sstream>
 
 namespace simpo::verifier {
 
@@ -204,135 +199,6 @@ Outcome check_loss_only_agrees(CaseRun& run) {
 
 }  // namespace
 
-// ---- Case ----
-
-RunOptions Case::run_options() const {
-  RunOptions r;
-  r.max_chunk_rows = max_chunk_rows;
-  r.workspace_bytes = workspace_bytes;
-  return r;
-}
-
-std::string Case::to_string() const {
-  const auto& hp = spec.hp;
-  std::ostringstream os;
-  os << spec.shape.to_string() << " seed=" << spec.seed << " bias=" << (spec.bias ? "on" : "off")
-     << " scale=" << short_num(spec.logit_scale) << " ignore=" << ignore_pattern_name(spec.ignore)
-     << " beta=" << short_num(hp.beta) << " gamma=" << short_num(hp.gamma) << " alpha=" << short_num(hp.alpha)
-     << " ls=" << short_num(hp.label_smoothing) << " nll=" << (hp.compute_nll_loss ? "on" : "off")
-     << " ignore_index=" << hp.ignore_index << " grad_scale=" << short_num(hp.grad_scale)
-     << (hp.empty_sequence == EmptySequence::zero ? " empty=zero" : "") << " chunk_rows=" << max_chunk_rows;
-  if (workspace_bytes != fused::default_workspace_bytes) os << " workspace=" << workspace_bytes;
-  return os.str();
-}
-
-std::string Case::case_command(const std::string& impl) const {
-  const auto& hp = spec.hp;
-  std::ostringstream os;
-  os << "simpo-verify case --impl " << impl << " --B " << spec.shape.B << " --T " << spec.shape.T << " --H "
-     << spec.shape.H << " --V " << spec.shape.V << " --seed " << spec.seed << " --logit-scale "
-     << num(spec.logit_scale) << " --ignore-pattern " << ignore_pattern_name(spec.ignore) << " --beta "
-     << num(hp.beta) << " --gamma " << num(hp.gamma) << " --alpha " << num(hp.alpha) << " --label-smoothing "
-     << num(hp.label_smoothing) << " --ignore-index " << hp.ignore_index << " --grad-scale " << num(hp.grad_scale)
-     << " --max-chunk-rows " << max_chunk_rows;
-  if (spec.bias) os << " --bias";
-  if (!hp.compute_nll_loss) os << " --no-nll";
-  if (hp.empty_sequence == EmptySequence::zero) os << " --empty-sequence zero";
-  if (workspace_bytes != fused::default_workspace_bytes) os << " --workspace " << workspace_bytes;
-  return os.str();
-}
-
-Case random_case(Rng& rng) {
-  auto pick = [&](std::initializer_list<std::int64_t> values) {
-    return *(values.begin() + rng.below(static_cast<std::int64_t>(values.size())));
-  };
-  auto log_uniform = [&](double lo, double hi) { return lo * std::pow(hi / lo, rng.uniform()); };
-  Case c;
-  CaseSpec& s = c.spec;
-  s.seed = rng.next();
-  const std::int64_t P = rng.uniform() < 0.2 ? 1 : 1 + rng.below(8);
-  s.shape.B = 2 * P;
-  const double t_tier = rng.uniform();
-  s.shape.T = t_tier < 0.6 ? 1 + rng.below(16) : t_tier < 0.9 ? 17 + rng.below(48) : 65 + rng.below(236);
-  // H and V: half from a list of awkward sizes (primes, 1, multiples of 8 +- 1), half uniform.
-  s.shape.H = rng.uniform() < 0.5 ? pick({1, 2, 3, 5, 7, 8, 13, 17, 31, 32, 33, 61, 64, 97, 127, 128, 131})
-                                  : 1 + rng.below(160);
-  const double v_tier = rng.uniform();
-  s.shape.V = v_tier < 0.4   ? 1 + rng.below(32)
-              : v_tier < 0.8 ? 33 + rng.below(480)
-                             : pick({509, 1021, 1024, 1031, 2039, 2053, 2999, 3001});
-  // Keep each case to a few milliseconds: the reference's work is ~6 N H V flops.
-  const std::int64_t max_work = 4'000'000;
-  while (s.shape.T > 1 && s.shape.N() * s.shape.H * s.shape.V > max_work) s.shape.T = std::max<std::int64_t>(1, s.shape.T / 2);
-  while (s.shape.H > 1 && s.shape.N() * s.shape.H * s.shape.V > max_work) s.shape.H = std::max<std::int64_t>(1, s.shape.H / 2);
-
-  Hyperparameters& hp = s.hp;
-  hp.beta = rng.uniform() < 0.3 ? 0.1 : log_uniform(0.01, 10);
-  hp.gamma = rng.uniform() < 0.3 ? 0.5 : rng.uniform() < 0.2 ? 0.0 : -3 + 6 * rng.uniform();
-  hp.alpha = rng.uniform() < 0.2 ? 0.0 : rng.uniform() < 0.4 ? 1.0 : 2 * rng.uniform();
-  hp.label_smoothing = rng.uniform() < 0.5 ? 0.0 : rng.uniform() < 0.2 ? 0.5 : 0.5 * rng.uniform();
-  hp.compute_nll_loss = rng.uniform() < 0.8;
-  hp.grad_scale = rng.uniform() < 0.5 ? 1.0 : rng.uniform() < 0.1 ? 0.0 : (rng.uniform() < 0.5 ? -1 : 1) * log_uniform(0.01, 100);
-  const double ii = rng.uniform();
-  hp.ignore_index = ii < 0.8 ? -100 : ii < 0.9 ? -1 - rng.below(1000) : rng.below(s.shape.V);
-  hp.empty_sequence = rng.uniform() < 0.15 ? EmptySequence::zero : EmptySequence::error;
-  s.bias = rng.uniform() < 0.5;
-  const double scale = rng.uniform();
-  s.logit_scale = scale < 0.15 ? 30.0 : scale < 0.25 ? 0.1 : log_uniform(0.1, 30);
-  s.ignore = static_cast<IgnorePattern>(rng.below(5));
-  // Chunk caps: none, tiny, or a random count that rarely divides N.
-  const double chunk = rng.uniform();
-  const std::int64_t N = s.shape.N();
-  c.max_chunk_rows = chunk < 0.25 ? 0 : chunk < 0.5 ? 1 + rng.below(std::min<std::int64_t>(N, 4)) : 1 + rng.below(N);
-  c.workspace_bytes = rng.uniform() < 0.1 ? fused::min_workspace_bytes : fused::default_workspace_bytes;
-  s.description = "random case: " + c.to_string();
-  return c;
-}
-
-// ---- CaseRun ----
-
-CaseRun::CaseRun(const Case& c, const Implementation& impl) : case_(c), impl_(impl) {}
-
-const Problem& CaseRun::problem() {
-  if (!problem_) problem_ = generate(case_.spec);
-  return *problem_;
-}
-
-const ProblemScales& CaseRun::scales() {
-  if (!scales_) scales_ = ProblemScales::of(problem(), spec_rejects() ? nullptr : &exact());
-  return *scales_;
-}
-
-bool CaseRun::spec_rejects() {
-  if (!reference_ran_) {
-    reference_ran_ = true;
-    try {
-      exact_ = reference_implementation().compute(problem(), RunOptions{});
-    } catch (const InputError& e) {
-      spec_error_ = e.what();
-    }
-  }
-  return spec_error_.has_value();
-}
-
-const std::string& CaseRun::spec_error() {
-  spec_rejects();
-  static const std::string none;
-  return spec_error_ ? *spec_error_ : none;
-}
-
-const TensorMap& CaseRun::exact() {
-  if (spec_rejects()) throw std::logic_error("CaseRun::exact on an input SPEC rejects");
-  return *exact_;
-}
-
-const TensorMap& CaseRun::candidate() {
-  if (!candidate_) candidate_ = run(problem(), case_.run_options());
-  return *candidate_;
-}
-
-TensorMap CaseRun::run(const Problem& p, const RunOptions& options) const { return impl_.compute(p, options); }
-
 // ---- properties ----
 
 const std::vector<Property>& all_properties() {
@@ -341,7 +207,7 @@ const std::vector<Property>& all_properties() {
       {"matches_reference", "every output passes the strict error model against the fp64 reference",
        check_matches_reference},
       {"chunking_invariant", "max_chunk_rows and the workspace change nothing beyond fp32 noise",
-       check_chunking_invariant},
+       check_chunking_invariant, /*needs_chunking=*/true},
       {"ignored_rows_zero", "grad_x rows at ignored positions are exactly zero", check_ignored_rows_zero},
       {"duplicate_pairs", "duplicating every pair keeps the loss and halves each copy's grad_x",
        check_duplicate_pairs},
@@ -356,17 +222,22 @@ const Property& property_by_name(const std::string& name) {
   throw InputError("unknown property \"" + name + "\"");
 }
 
-std::vector<Outcome> check_case(const Case& c, const Implementation& impl, const std::vector<std::string>& only,
-                                bool stop_at_first_failure) {
-  CaseRun run(c, impl);
+std::vector<Outcome> check_case(CaseRun& run, const std::vector<std::string>& only, bool stop_at_first_failure) {
   std::vector<Outcome> outcomes;
   for (const auto& p : all_properties()) {
     if (!only.empty() && std::find(only.begin(), only.end(), p.name) == only.end()) continue;
     Outcome o;
-    try {
-      o = p.check(run);
-    } catch (const std::exception& e) {  // an InputError the candidate raises on a valid input, or worse
-      o = fail(p.name, std::string("threw: ") + e.what());
+    if (p.needs_chunking && !run.implementation().takes_chunking) {
+      o = {true, p.name, "needs chunk caps and a workspace budget, which " + run.implementation().name + " cannot be given", true};
+    } else {
+      try {
+        o = p.check(run);
+      } catch (const ImplementationFault& e) {  // the external program gave no result: the case ends here
+        outcomes.push_back(fail(p.name, e.what()));
+        break;
+      } catch (const std::exception& e) {  // an InputError the candidate raises on a valid input, or worse
+        o = fail(p.name, std::string("threw: ") + e.what());
+      }
     }
     outcomes.push_back(o);
     if (!o.passed && stop_at_first_failure) break;
@@ -374,6 +245,12 @@ std::vector<Outcome> check_case(const Case& c, const Implementation& impl, const
     if (p.name == "valid_input_agrees" && run.spec_rejects()) break;
   }
   return outcomes;
+}
+
+std::vector<Outcome> check_case(const Case& c, const Implementation& impl, const std::vector<std::string>& only,
+                                bool stop_at_first_failure) {
+  CaseRun run(c, impl);
+  return check_case(run, only, stop_at_first_failure);
 }
 
 std::optional<std::string> disagreement(const ProblemScales& scales, const std::string& name, const Tensor& a,
@@ -409,140 +286,6 @@ std::optional<std::string> disagreement(const ProblemScales& scales, const std::
     return "||difference|| " + short_num(std::sqrt(diff_sq)) + " > allowed " + short_num(allowed) + " (||a|| " +
            short_num(std::sqrt(a_sq)) + ")";
   return std::nullopt;
-}
-
-// ---- shrinking ----
-
-Case shrink(const Case& failing, const Implementation& impl, const std::string& property, int max_attempts) {
-  auto fails = [&](const Case& c) {
-    try {
-      validate_shape(c.spec.shape);
-      const auto outcomes = check_case(c, impl, {property});
-      return !outcomes.empty() && !outcomes.back().passed;
-    } catch (const std::exception&) {
-      return false;
-    }
-  };
-  Case best = failing;
-  int attempts = 0;
-  bool progress = true;
-  while (progress && attempts < max_attempts) {
-    progress = false;
-    std::vector<Case> candidates;
-    auto with = [&](auto&& change) {
-      Case c = best;
-      change(c);
-      if (c.to_string() != best.to_string()) candidates.push_back(c);
-    };
-    Shape& s0 = best.spec.shape;
-    for (std::int64_t P : {std::int64_t{1}, s0.P() / 2, s0.P() - 1})
-      if (P >= 1 && P < s0.P()) with([P](Case& c) { c.spec.shape.B = 2 * P; });
-    for (std::int64_t T : {std::int64_t{1}, s0.T / 2, s0.T - 1})
-      if (T >= 1 && T < s0.T) with([T](Case& c) { c.spec.shape.T = T; });
-    for (std::int64_t H : {std::int64_t{1}, s0.H / 2, s0.H - 1})
-      if (H >= 1 && H < s0.H) with([H](Case& c) { c.spec.shape.H = H; });
-    for (std::int64_t V : {std::int64_t{1}, std::int64_t{2}, s0.V / 2, s0.V - 1})
-      if (V >= 1 && V < s0.V) with([V](Case& c) { c.spec.shape.V = V; });
-    with([](Case& c) { c.spec.bias = false; });
-    with([](Case& c) { c.spec.ignore = IgnorePattern::none; });
-    with([](Case& c) { c.max_chunk_rows = 0; });
-    if (best.max_chunk_rows > 1) with([](Case& c) { c.max_chunk_rows /= 2; });
-    with([](Case& c) { c.workspace_bytes = fused::default_workspace_bytes; });
-    const Hyperparameters defaults;
-    with([&](Case& c) { c.spec.hp.beta = defaults.beta; });
-    with([&](Case& c) { c.spec.hp.gamma = defaults.gamma; });
-    with([&](Case& c) { c.spec.hp.alpha = defaults.alpha; });
-    with([&](Case& c) { c.spec.hp.label_smoothing = defaults.label_smoothing; });
-    with([&](Case& c) { c.spec.hp.compute_nll_loss = defaults.compute_nll_loss; });
-    with([&](Case& c) { c.spec.hp.grad_scale = defaults.grad_scale; });
-    with([&](Case& c) { c.spec.hp.ignore_index = defaults.ignore_index; });
-    with([&](Case& c) { c.spec.hp.empty_sequence = defaults.empty_sequence; });
-    with([](Case& c) { c.spec.logit_scale = 2.0; });
-    for (std::uint64_t seed : {0, 1, 2}) with([seed](Case& c) { c.spec.seed = seed; });
-    for (const Case& c : candidates) {
-      if (attempts >= max_attempts) break;
-      ++attempts;
-      if (fails(c)) {
-        best = c;
-        progress = true;
-        break;
-      }
-    }
-  }
-  best.spec.description = "shrunk counterexample: " + best.to_string();
-  return best;
-}
-
-std::string write_counterexample(const Case& c, const std::string& impl, const std::string& path) {
-  Problem p = generate(c.spec);
-  p.description = "counterexample for " + impl + ": " + c.to_string();
-  if (auto dir = std::filesystem::path(path).parent_path(); !dir.empty()) std::filesystem::create_directories(dir);
-  save_problem(path, p);
-  std::ostringstream os;
-  os << "  " << c.case_command(impl) << "\n"
-     << "  simpo-verify compute --impl " << impl << " --inputs " << path << " --out /tmp/candidate.safetensors"
-     << " --max-chunk-rows " << c.max_chunk_rows << " --workspace " << c.workspace_bytes
-     << " && simpo-verify check --inputs " << path << " --candidate /tmp/candidate.safetensors";
-  return os.str();
-}
-
-// ---- the sweep ----
-
-SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
-  if (options.max_cases <= 0 && options.time_budget_s <= 0)
-    throw InputError("a sweep needs a case count or a time budget");
-  using clock = std::chrono::steady_clock;
-  const auto start = clock::now();
-  auto elapsed = [&] { return std::chrono::duration<double>(clock::now() - start).count(); };
-  double last_progress = 0;
-  SweepResult result;
-  Rng rng(options.seed);
-  for (std::int64_t i = 0;; ++i) {
-    if (options.max_cases > 0 && i >= options.max_cases) break;
-    if (options.time_budget_s > 0 && elapsed() >= options.time_budget_s) break;
-    const Case c = random_case(rng);
-    CaseRun run(c, impl);
-    bool any_failed = false;
-    for (const auto& p : all_properties()) {
-      Outcome o;
-      try {
-        o = p.check(run);
-      } catch (const std::exception& e) {
-        o = {false, p.name, std::string("threw: ") + e.what()};
-      }
-      (o.passed ? result.passed : result.failed)[p.name]++;
-      if (o.passed && p.name == "matches_reference" && run.strict_report)
-        for (const auto& t : run.strict_report->tensors)
-          result.worst_margin[t.name] = std::max(result.worst_margin[t.name], t.margin);
-      if (!o.passed) {
-        any_failed = true;
-        Counterexample ce;
-        ce.case_index = i;
-        ce.original = c;
-        ce.shrunk = options.shrink ? shrink(c, impl, p.name) : c;
-        const auto again = check_case(ce.shrunk, impl, {p.name});
-        ce.outcome = again.empty() || again.back().passed ? o : again.back();
-        if (!options.counterexample_dir.empty()) {
-          ce.inputs_path = options.counterexample_dir + "/" + impl.name + "-" + p.name + "-case" + std::to_string(i) +
-                           ".inputs.safetensors";
-          ce.replay = write_counterexample(ce.shrunk, impl.name, ce.inputs_path);
-        } else {
-          ce.replay = "  " + ce.shrunk.case_command(impl.name);
-        }
-        result.failures.push_back(ce);
-        if (options.stop_at_first_failure) break;
-      }
-      if (p.name == "valid_input_agrees" && run.spec_rejects()) break;
-    }
-    result.cases = i + 1;
-    if (options.progress && elapsed() - last_progress >= 1.0) {
-      last_progress = elapsed();
-      options.progress(result.cases, static_cast<std::int64_t>(result.failures.size()), last_progress);
-    }
-    if (any_failed && options.stop_at_first_failure) break;
-  }
-  result.seconds = elapsed();
-  return result;
 }
 
 }  // namespace simpo::verifier

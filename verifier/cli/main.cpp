@@ -1,13 +1,15 @@
 // simpo-verify: SPEC's command-line table. Exit codes: 0 passed, 1 a check failed, 2 bad input (with a message
 // on stderr naming the problem). Tables go to stdout, progress to stderr.
-#include "fixtures/fixtures.h"
+#include "fixtures/src/fixtures.h"
 #include "problem/problem_io.h"
 #include "reference/reference.h"
+#include "verifier/check.h"
 #include "verifier/error_model.h"
 #include "verifier/implementation.h"
 #include "verifier/properties.h"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -30,30 +32,15 @@ void print_progress(const char* what, std::int64_t cases, std::int64_t failures,
   std::fflush(stderr);
 }
 
-// The per-property table of a sweep and its counterexamples; returns the failure count.
-std::int64_t print_sweep(const sv::SweepResult& r, const std::string& impl) {
-  std::printf("%-34s %10s %8s\n", ("sweep: " + impl).c_str(), "passed", "failed");
-  std::int64_t failed = 0;
-  for (const auto& p : sv::all_properties()) {
-    const std::int64_t ok = r.passed.count(p.name) ? r.passed.at(p.name) : 0;
-    const std::int64_t bad = r.failed.count(p.name) ? r.failed.at(p.name) : 0;
-    failed += bad;
-    std::printf("  %-32s %10lld %8lld\n", p.name.c_str(), static_cast<long long>(ok), static_cast<long long>(bad));
-  }
-  std::printf("  (%lld cases in %.1f s)\n", static_cast<long long>(r.cases), r.seconds);
-  for (const auto& ce : r.failures) {
-    std::printf("FAILED %s on case %lld: %s\n  shrunk: %s\n", ce.outcome.property.c_str(),
-                static_cast<long long>(ce.case_index), ce.outcome.detail.c_str(), ce.shrunk.to_string().c_str());
-    if (!ce.inputs_path.empty()) std::printf("  inputs: %s\n", ce.inputs_path.c_str());
-    std::printf("  replay:\n%s\n", ce.replay.c_str());
-  }
-  return failed;
-}
-
 std::int64_t total(const std::map<std::string, std::int64_t>& m) {
   std::int64_t n = 0;
   for (const auto& [k, v] : m) n += v;
   return n;
+}
+
+void add_timeout_option(CLI::App* app, sv::ImplementationOptions& options) {
+  app->add_option("--case-timeout", options.case_timeout_s,
+                  "exec: seconds one case may take before the program is killed and the case fails (default 120)");
 }
 
 // ---- main job ----
@@ -65,10 +52,11 @@ struct MainJob {
   std::string fixtures_dir = simpo::fixtures::default_directory();
   std::string counterexample_dir = "simpo-counterexamples";
   bool no_fixtures = false;
+  sv::ImplementationOptions impl_options;
 };
 
 int run_main_job(const MainJob& job) {
-  const sv::Implementation impl = sv::implementation_by_name(job.impl);
+  const sv::Implementation impl = sv::implementation_by_name(job.impl, job.impl_options);
   sv::SweepOptions options;
   options.seed = job.seed;
   options.max_cases = job.cases;
@@ -81,7 +69,7 @@ int run_main_job(const MainJob& job) {
                                      : ("~" + std::to_string(static_cast<int>(job.time_budget)) + " s").c_str());
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
-  print_sweep(r, impl.name);
+  std::cout << sv::format_sweep(r, impl.name) << std::flush;
   std::int64_t passed = total(r.passed), failed = total(r.failed);
 
   if (!job.no_fixtures) {
@@ -119,17 +107,19 @@ struct ComputeArgs {
   std::string impl, inputs, out;
   bool no_grad = false, grad_f32 = false;
   std::int64_t workspace = simpo::fused::default_workspace_bytes, max_chunk_rows = 0;
+  sv::ImplementationOptions impl_options;
 };
 
 int run_compute(const ComputeArgs& a) {
-  const sv::Implementation impl = sv::implementation_by_name(a.impl);
-  simpo::check_writable(a.out, {a.inputs});  // before the minutes a large reference run can take
-  const simpo::Problem problem = simpo::load_problem(a.inputs);
   sv::RunOptions options;
   options.gradients = !a.no_grad;
   options.grad_f32 = a.grad_f32;
   options.workspace_bytes = a.workspace;
   options.max_chunk_rows = a.max_chunk_rows;
+  sv::validate(options);  // before any file is read
+  const sv::Implementation impl = sv::implementation_by_name(a.impl, a.impl_options);
+  simpo::check_writable(a.out, {a.inputs});  // before the minutes a large reference run can take
+  const simpo::Problem problem = simpo::load_problem(a.inputs);
   const auto start = std::chrono::steady_clock::now();
   const simpo::TensorMap outputs = impl.compute(problem, options);
   const double seconds = seconds_since(start);
@@ -142,22 +132,25 @@ int run_compute(const ComputeArgs& a) {
 // ---- check / case: profile flags ----
 struct ProfileArgs {
   std::string profile = "strict";
-  double rtol = -1, atol = -1;
+  double rtol = 0, atol = 0;
+  CLI::Option *rtol_option = nullptr, *atol_option = nullptr;
+  // One resolution for every command (issue 7: --rtol -1 used to fall back to strict silently).
   sv::Profile resolve() const {
-    if (rtol >= 0 || atol >= 0) return sv::user_profile(std::max(rtol, 0.0), std::max(atol, 0.0));
-    return sv::profile_from_name(profile);
+    return sv::profile_from_flags(profile, rtol_option && rtol_option->count() ? &rtol : nullptr,
+                                  atol_option && atol_option->count() ? &atol : nullptr);
   }
 };
 
 void add_profile_options(CLI::App* app, ProfileArgs& p) {
   app->add_option("--profile", p.profile, "strict (bounds derived from dtypes and shapes) or peer (atol = rtol = 5e-3)")
       ->check(CLI::IsMember({"strict", "peer"}));
-  app->add_option("--rtol", p.rtol, "user tolerance: |candidate - exact| <= atol + rtol |exact| (replaces --profile)");
-  app->add_option("--atol", p.atol, "user tolerance, see --rtol");
+  p.rtol_option = app->add_option("--rtol", p.rtol, "user tolerance: |candidate - exact| <= atol + rtol |exact| (replaces --profile)");
+  p.atol_option = app->add_option("--atol", p.atol, "user tolerance, see --rtol");
 }
 
 struct CheckArgs {
-  std::string inputs, candidate;
+  std::string inputs, reference_outputs;
+  std::vector<std::string> candidates;
   ProfileArgs profile;
   bool json = false, forward_only = false;
 };
@@ -165,52 +158,63 @@ struct CheckArgs {
 int run_check(const CheckArgs& a) {
   const sv::Profile profile = a.profile.resolve();
   const simpo::Problem problem = simpo::load_problem(a.inputs);
-  const simpo::TensorMap candidate = simpo::load_outputs(a.candidate);
-  simpo::reference::Options ro;
-  ro.gradients = !a.forward_only;
-  if (problem.shape.N() * problem.shape.V > (std::int64_t{1} << 26))
-    ro.progress = [](double f) { std::fprintf(stderr, "\rreference: %3.0f%%", 100 * f); };
-  const simpo::TensorMap exact = simpo::reference::compute(problem, ro);
-  if (ro.progress) std::fprintf(stderr, "\n");
-  const sv::Report report = sv::compare(problem, exact, candidate, profile);
-  if (a.json)
-    std::cout << sv::format_json(report);
-  else
-    std::cout << a.candidate << " vs the reference for " << a.inputs << " (" << problem.shape.to_string() << ")\n"
-              << sv::format_table(report);
-  return report.passed() ? 0 : 1;
+  std::function<void(double)> progress;
+  if (a.reference_outputs.empty() && problem.shape.N() * problem.shape.V > (std::int64_t{1} << 26))
+    progress = [](double f) { std::fprintf(stderr, "\rreference: %3.0f%%", 100 * f); };
+  // The reference once, for every candidate.
+  const simpo::TensorMap exact = sv::reference_outputs_for(problem, !a.forward_only, a.reference_outputs, progress);
+  if (progress) std::fprintf(stderr, "\n");
+  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact);
+  bool all_passed = true;
+  nlohmann::json documents = nlohmann::json::array();
+  for (const auto& candidate : a.candidates) {
+    const sv::Report report = sv::check_candidate_file(scales, exact, candidate, profile);
+    all_passed = all_passed && report.passed();
+    if (a.json) {
+      nlohmann::json doc = nlohmann::json::parse(sv::format_json(report));
+      doc["candidate"] = candidate;
+      documents.push_back(doc);
+    } else {
+      std::cout << candidate << " vs the reference for " << a.inputs << " (" << problem.shape.to_string() << ")\n"
+                << sv::format_table(report) << (a.candidates.size() > 1 ? "\n" : "");
+    }
+  }
+  if (a.json) {
+    // One candidate: the report itself (as before); several: {"passed", "candidates": [report, ...]}.
+    if (documents.size() == 1)
+      std::cout << documents[0].dump(2) << "\n";
+    else
+      std::cout << nlohmann::json{{"passed", all_passed}, {"inputs", a.inputs}, {"candidates", documents}}.dump(2) << "\n";
+  } else if (a.candidates.size() > 1) {
+    std::size_t passed = 0;
+    for (const auto& d : documents) passed += d.value("passed", false);
+    std::cout << "candidates: " << (all_passed ? "all passed" : "some FAILED") << "\n";
+  }
+  return all_passed ? 0 : 1;
 }
 
 struct CaseArgs {
-  std::int64_t B = 2, T = 8, H = 16, V = 32;
-  std::uint64_t seed = 0;
-  std::string impl = "auto", ignore_pattern = "prompt_prefix", empty_sequence = "error", save_inputs;
-  bool bias = false, no_nll = false, no_grad = false, grad_f32 = false, json = false;
-  double beta = 0.1, gamma = 0.5, alpha = 1.0, label_smoothing = 0.0, grad_scale = 1.0, logit_scale = 2.0;
-  std::int64_t ignore_index = -100, workspace = simpo::fused::default_workspace_bytes, max_chunk_rows = 0;
+  std::string impl = "auto", save_inputs;
+  std::map<std::string, std::string> fields;  // flag -> value, from sv::case_fields()
+  bool no_grad = false, grad_f32 = false, json = false;
   ProfileArgs profile;
+  sv::ImplementationOptions impl_options;
 };
 
-int run_case(const CaseArgs& a) {
+// The `case` command's defaults: a small case (the rest are CaseSpec's and SPEC's defaults).
+sv::Case default_case() {
   sv::Case c;
-  c.spec.shape = {a.B, a.T, a.H, a.V};
-  c.spec.seed = a.seed;
-  c.spec.bias = a.bias;
-  c.spec.logit_scale = a.logit_scale;
-  c.spec.ignore = simpo::ignore_pattern_from_name(a.ignore_pattern);
-  c.spec.hp.beta = a.beta;
-  c.spec.hp.gamma = a.gamma;
-  c.spec.hp.alpha = a.alpha;
-  c.spec.hp.label_smoothing = a.label_smoothing;
-  c.spec.hp.compute_nll_loss = !a.no_nll;
-  c.spec.hp.ignore_index = a.ignore_index;
-  c.spec.hp.grad_scale = a.grad_scale;
-  c.spec.hp.empty_sequence = a.empty_sequence == "zero" ? simpo::EmptySequence::zero : simpo::EmptySequence::error;
-  c.max_chunk_rows = a.max_chunk_rows;
-  c.workspace_bytes = a.workspace;
+  c.spec.shape = {2, 8, 16, 32};
+  return c;
+}
+
+int run_case(const CaseArgs& a) {
+  sv::Case c = default_case();
+  sv::apply_case_fields(c, a.fields);
   c.spec.description = "simpo-verify case: " + c.to_string();
   const sv::Profile profile = a.profile.resolve();
-  const sv::Implementation impl = sv::implementation_by_name(a.impl);
+  sv::validate(c.run_options());
+  const sv::Implementation impl = sv::implementation_by_name(a.impl, a.impl_options);
 
   std::fprintf(stderr, "case: %s\n", c.to_string().c_str());
   auto start = std::chrono::steady_clock::now();
@@ -291,22 +295,24 @@ struct SweepArgs {
   std::int64_t cases = 0;
   double time_budget = 0;
   std::string impl = "auto", counterexample_dir = "simpo-counterexamples";
-  bool stop = false;
+  bool stop = false, no_shrink = false;
+  sv::ImplementationOptions impl_options;
 };
 
 int run_sweep_command(const SweepArgs& a) {
   if (a.cases <= 0 && a.time_budget <= 0) throw InputError("sweep: give --cases or --time-budget");
-  const sv::Implementation impl = sv::implementation_by_name(a.impl);
+  const sv::Implementation impl = sv::implementation_by_name(a.impl, a.impl_options);
   sv::SweepOptions options;
   options.seed = a.seed;
   options.max_cases = a.cases;
   options.time_budget_s = a.time_budget;
   options.stop_at_first_failure = a.stop;
+  options.shrink = !a.no_shrink;
   options.counterexample_dir = a.counterexample_dir;
   options.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("sweep", c, f, s); };
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
-  print_sweep(r, impl.name);
+  std::cout << sv::format_sweep(r, impl.name);
   std::printf("worst strict margin by tensor (error / bound, < 1 passes):\n");
   for (const auto& [name, m] : r.worst_margin) std::printf("  %-22s %.3f\n", name.c_str(), m);
   std::printf("%lld passed, %lld failed\n", static_cast<long long>(total(r.passed)), static_cast<long long>(total(r.failed)));
@@ -325,14 +331,16 @@ int main(int argc, char** argv) {
   app.add_option("--seed", job.seed, "sweep seed");
   app.add_option("--cases", job.cases, "stop after this many cases (default: the time budget decides)");
   app.add_option("--time-budget", job.time_budget, "sweep seconds (default 60)");
-  app.add_option("--impl", job.impl, "implementation: auto, cpu, cuda, reference");
+  app.add_option("--impl", job.impl, "implementation: auto, cpu, cuda, reference, exec:COMMAND");
+  add_timeout_option(&app, job.impl_options);
   app.add_option("--fixtures-dir", job.fixtures_dir, "committed fixtures");
   app.add_option("--counterexample-dir", job.counterexample_dir, "where failing cases' inputs files go");
   app.add_flag("--no-fixtures", job.no_fixtures, "skip the committed fixtures");
 
   ComputeArgs compute;
   auto* c = app.add_subcommand("compute", "run one implementation on an inputs file and write an outputs file");
-  c->add_option("--impl", compute.impl, "reference, cpu, cuda (or <backend>+<mutant>)")->required();
+  c->add_option("--impl", compute.impl, "reference, cpu, cuda, <backend>+<mutant>, exec:COMMAND")->required();
+  add_timeout_option(c, compute.impl_options);
   c->add_option("--inputs", compute.inputs, "inputs safetensors file")->required();
   c->add_option("--out", compute.out, "outputs safetensors file to write")->required();
   c->add_flag("--no-grad", compute.no_grad, "forward only: loss and auxiliary outputs");
@@ -343,32 +351,25 @@ int main(int argc, char** argv) {
   CheckArgs check;
   auto* k = app.add_subcommand("check", "judge any implementation's outputs file against the reference");
   k->add_option("--inputs", check.inputs, "inputs safetensors file")->required();
-  k->add_option("--candidate", check.candidate, "the candidate's outputs safetensors file")->required();
+  k->add_option("--candidate", check.candidates, "a candidate's outputs safetensors file (repeat it: the reference runs once)")->required();
+  k->add_option("--reference-outputs", check.reference_outputs,
+                "the reference's outputs for these inputs, already on disk (a fixture's, or compute --impl reference's)");
   add_profile_options(k, check.profile);
   k->add_flag("--json", check.json, "JSON report for CI");
   k->add_flag("--forward-only", check.forward_only, "expect no gradients (a --no-grad candidate)");
 
   CaseArgs cs;
   auto* g = app.add_subcommand("case", "one generated case of any size: per-tensor errors and timings");
-  g->add_option("--B", cs.B, "sequences (even)");
-  g->add_option("--T", cs.T, "tokens per sequence");
-  g->add_option("--H", cs.H, "hidden size");
-  g->add_option("--V", cs.V, "vocabulary size");
-  g->add_option("--seed", cs.seed, "generator seed");
-  g->add_option("--impl", cs.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>");
-  g->add_flag("--bias", cs.bias, "with an LM-head bias");
-  g->add_option("--beta", cs.beta);
-  g->add_option("--gamma", cs.gamma);
-  g->add_option("--alpha", cs.alpha);
-  g->add_option("--label-smoothing", cs.label_smoothing);
-  g->add_flag("--no-nll", cs.no_nll, "compute_nll_loss = false");
-  g->add_option("--ignore-index", cs.ignore_index);
-  g->add_option("--grad-scale", cs.grad_scale);
-  g->add_option("--empty-sequence", cs.empty_sequence, "error or zero")->check(CLI::IsMember({"error", "zero"}));
-  g->add_option("--ignore-pattern", cs.ignore_pattern, "none, random, prompt_prefix, all_but_one, empty_sequence");
-  g->add_option("--logit-scale", cs.logit_scale, "standard deviation of the logits");
-  g->add_option("--max-chunk-rows", cs.max_chunk_rows, "fused: cap on token rows per chunk");
-  g->add_option("--workspace", cs.workspace, "fused: workspace budget in bytes");
+  // The case's fields, from the one list that also writes the description and the replay command.
+  for (const auto& field : sv::case_fields()) {
+    const std::string flag = field.flag;
+    if (field.is_switch)
+      g->add_flag_callback(flag, [&cs, flag] { cs.fields[flag] = ""; }, field.help);
+    else
+      g->add_option_function<std::string>(flag, [&cs, flag](const std::string& v) { cs.fields[flag] = v; }, field.help);
+  }
+  g->add_option("--impl", cs.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>, exec:COMMAND");
+  add_timeout_option(g, cs.impl_options);
   g->add_flag("--grad-f32", cs.grad_f32, "fused: grad_weight and grad_bias in F32");
   g->add_flag("--no-grad", cs.no_grad, "forward only");
   g->add_option("--save-inputs", cs.save_inputs, "also write the generated inputs file here");
@@ -393,12 +394,14 @@ int main(int argc, char** argv) {
 
   SweepArgs sweep;
   auto* s = app.add_subcommand("sweep", "a random sweep of one implementation (e.g. 10,000 cases on a correct one)");
-  s->add_option("--impl", sweep.impl, "implementation");
+  s->add_option("--impl", sweep.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>, exec:COMMAND");
+  add_timeout_option(s, sweep.impl_options);
   s->add_option("--seed", sweep.seed, "sweep seed");
   s->add_option("--cases", sweep.cases, "case count");
   s->add_option("--time-budget", sweep.time_budget, "seconds");
   s->add_option("--counterexample-dir", sweep.counterexample_dir, "where failing cases' inputs files go");
   s->add_flag("--stop-at-first-failure", sweep.stop);
+  s->add_flag("--no-shrink", sweep.no_shrink, "report failing cases as found");
 
   try {
     app.parse(argc, argv);
@@ -437,7 +440,17 @@ int main(int argc, char** argv) {
   } catch (const InputError& e) {
     std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
     return 2;
+  } catch (const sv::ImplementationFault& e) {  // compute --impl exec: the program failed to give a result
+    std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
+    return 2;
   } catch (const std::filesystem::filesystem_error& e) {  // an unwritable --out or directory: the caller's input
+    std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {  // memory is asked for before large allocations; this is what slipped past
+    std::fprintf(stderr, "simpo-verify: error: out of host memory (std::bad_alloc): the run needs more memory than "
+                         "this machine gives it\n");
+    return 2;
+  } catch (const std::exception& e) {  // never an abort: any other failure is reported with its message
     std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
     return 2;
   }

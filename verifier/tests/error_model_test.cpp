@@ -57,7 +57,9 @@ Tensor perturbed(const Tensor& t, double relative) {
   return Tensor::from<double>(t.shape, v);
 }
 
-const TensorReport& find(const Report& r, const std::string& name) {
+// Returns a copy: a reference into a temporary Report (find(compare(...), ...)) dangled once the statement ended
+// (ASan, issue 7: heap-use-after-free in two tests below).
+TensorReport find(const Report& r, const std::string& name) {
   for (const auto& t : r.tensors)
     if (t.name == name) return t;
   throw std::logic_error("no tensor " + name);
@@ -127,7 +129,7 @@ TEST(ErrorModel, LossOffByOnePerMilleFailsStrict) {
   const double loss = f.exact.at("loss").value(0);
   c["loss"] = Tensor::scalar<float>(static_cast<float>(loss * (1 + 1e-3)));
   // 1e-3 is what a bf16 accumulator in the row sum of exp does (the narrow_row_accumulator mutant).
-  const auto& t = find(compare(f.problem, f.exact, c, strict_profile()), "loss");
+  const TensorReport t = find(compare(f.problem, f.exact, c, strict_profile()), "loss");
   EXPECT_EQ(t.verdict, Verdict::failed) << "atol " << t.atol << " rtol " << t.rtol;
   // and a 1e-6 relative error (a few fp32 ulps) passes
   c["loss"] = Tensor::scalar<float>(static_cast<float>(loss * (1 + 1e-6)));
@@ -155,7 +157,7 @@ TEST(ErrorModel, OneWrongTokenRowOfGradXFailsThoughTheTensorNormBarelyMoves) {
     auto& v = g[static_cast<std::size_t>(row * s.H + h)];
     v = bf16(static_cast<float>(v) * 1.02f);
   }
-  const auto& t = find(compare(f.problem, f.exact, c, strict_profile()), "grad_x");
+  const TensorReport t = find(compare(f.problem, f.exact, c, strict_profile()), "grad_x");
   EXPECT_EQ(t.verdict, Verdict::failed) << t.reason;
   EXPECT_EQ(t.rows_beyond, 1);
   EXPECT_LT(t.rel_frob, t.frob_bound);  // the tensor-level bound alone would have passed it

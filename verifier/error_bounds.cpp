@@ -1,3 +1,5 @@
+// The error model's bounds: profiles, the problem's scales and the strict tolerances derived from them
+// (README "Error model"). compare.cpp measures a candidate against them; report_format.cpp prints the result.
 #include "verifier/error_model.h"
 
 #include <nlohmann/json.hpp>
@@ -9,6 +11,7 @@
 #include <cstdio>
 #include <limits>
 #include <sstream>
+#include <utility>
 
 namespace simpo::verifier {
 
@@ -43,14 +46,6 @@ const double operand_rounding = 0x1.0p-8 / std::sqrt(3.0);
 constexpr double small_sample = 3.0;
 constexpr double accumulation_safety = 4.0;
 
-double round_to(DType dtype, double v) {
-  switch (dtype) {
-    case DType::BF16: return static_cast<double>(static_cast<float>(bf16(static_cast<float>(v))));
-    case DType::F32: return static_cast<double>(static_cast<float>(v));
-    default: return v;
-  }
-}
-
 std::string sci(double v, int digits = 2) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.*e", digits, v);
@@ -79,6 +74,16 @@ Profile user_profile(double rtol, double atol) {
     throw InputError("tolerances must be finite and >= 0 (got rtol = " + sci(rtol) + ", atol = " + sci(atol) + ")");
   return {ProfileKind::user, rtol, atol};
 }
+Profile profile_from_flags(const std::string& name, const double* rtol, const double* atol) {
+  if (rtol || atol) {
+    for (const auto& [flag, v] : {std::pair{"--rtol", rtol}, std::pair{"--atol", atol}})
+      if (v && !(std::isfinite(*v) && *v >= 0))
+        throw InputError(std::string(flag) + " must be finite and >= 0, got " + sci(*v));
+    return user_profile(rtol ? *rtol : 0.0, atol ? *atol : 0.0);
+  }
+  return profile_from_name(name);
+}
+
 Profile profile_from_name(const std::string& name) {
   if (name == "strict") return strict_profile();
   if (name == "peer") return peer_profile();
@@ -309,271 +314,36 @@ StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name,
   return b;
 }
 
-std::string verdict_name(Verdict v) {
-  switch (v) {
-    case Verdict::passed: return "passed";
-    case Verdict::failed: return "FAILED";
-    case Verdict::not_checked: return "not checked";
+double round_to(DType dtype, double v) {
+  switch (dtype) {
+    case DType::BF16: return static_cast<double>(static_cast<float>(bf16(static_cast<float>(v))));
+    case DType::F32: return static_cast<double>(static_cast<float>(v));
+    default: return v;
   }
-  return "?";
 }
 
-bool Report::passed() const {
-  if (tensors.empty()) return false;
-  for (const auto& t : tensors)
-    if (t.verdict != Verdict::passed) return false;
-  return true;
+double gradient_frob_bound_abs(const ProblemScales& scales, const std::string& name, double floor_abs, std::int64_t n) {
+  const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
+  const double M = scales.gradient_magnitude(name);
+  const double op = operand_rounding * scales.operand_magnitude(name);
+  const double K = static_cast<double>(reduction_length(scales.shape, name));
+  return gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
+         scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M +
+         underflow * std::sqrt(nn);
 }
 
-int Report::count(Verdict v) const {
-  return static_cast<int>(std::count_if(tensors.begin(), tensors.end(), [v](const auto& t) { return t.verdict == v; }));
+double gradient_elementwise_atol(const ProblemScales& scales, const std::string& name) {
+  return gradient_safety * gradient_internal_error(scales, name) + underflow;
 }
 
-double Report::worst_margin() const {
-  double worst = 0;
-  for (const auto& t : tensors) worst = std::max(worst, t.margin);
-  return worst;
-}
-
-namespace {
-
-TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
-                            const Tensor& cand, const Profile& profile) {
-  TensorReport r;
-  r.name = name;
-  r.dtype = dtype_name(cand.dtype);
-  r.shape = cand.shape;
-  r.numel = cand.numel();
-  auto fail = [&](std::string why) {
-    r.verdict = Verdict::failed;
-    r.reason = std::move(why);
-    return r;
-  };
-  if (cand.dtype == DType::I64) return fail("dtype I64 is not a floating-point output");
-  if (cand.shape != exact.shape)
-    return fail("shape " + shape_string(cand.shape) + ", expected " + shape_string(exact.shape));
-  if (static_cast<std::int64_t>(cand.bytes.size()) != cand.numel() * static_cast<std::int64_t>(dtype_size(cand.dtype)))
-    return fail("holds " + std::to_string(cand.bytes.size()) + " bytes for shape " + shape_string(cand.shape));
-
-  // Pass 1: norms, floor, the largest error, non-finite values.
-  const std::int64_t n = exact.numel();
-  double sum_exact_sq = 0, sum_err_sq = 0, sum_floor_sq = 0;
-  std::int64_t worst = -1;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const double e = exact.value(i), c = cand.value(i);
-    if (!std::isfinite(c) && std::isfinite(e)) {
-      if (r.non_finite++ == 0) {
-        r.max_abs_at = index_string(i, exact.shape);
-        r.reference_at_max = e;
-        r.candidate_at_max = c;
-      }
-      continue;
-    }
-    const double err = std::fabs(c - e);
-    const double fl = round_to(cand.dtype, e) - e;
-    sum_exact_sq += e * e;
-    sum_err_sq += err * err;
-    sum_floor_sq += fl * fl;
-    if (worst < 0 || err > r.max_abs) {
-      r.max_abs = err;
-      worst = i;
-    }
-  }
-  if (r.non_finite > 0)
-    return fail(std::to_string(r.non_finite) + " NaN/Inf where the reference is finite, first at " + r.max_abs_at +
-                " = " + sci(r.candidate_at_max));
-  const double norm = std::sqrt(sum_exact_sq);
-  r.rel_frob = norm > 0 ? std::sqrt(sum_err_sq) / norm : (sum_err_sq > 0 ? INFINITY : 0.0);
-  r.floor = norm > 0 ? std::sqrt(sum_floor_sq) / norm : 0.0;
-  r.ratio = r.floor > 0 ? r.rel_frob / r.floor : (r.rel_frob > 0 ? INFINITY : 0.0);
-  if (worst >= 0) {
-    r.max_abs_at = index_string(worst, exact.shape);
-    r.reference_at_max = exact.value(worst);
-    r.candidate_at_max = cand.value(worst);
-  }
-
-  // The tolerances.
-  if (profile.kind == ProfileKind::strict) {
-    const StrictBounds b = strict_bounds(scales, name, cand.dtype);
-    r.rtol = b.rtol;
-    r.atol = b.atol;
-    if (b.frob_bound >= 0) {
-      const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
-      const double M = scales.gradient_magnitude(name);
-      const double op = operand_rounding * scales.operand_magnitude(name);
-      const double floor_abs = std::sqrt(sum_floor_sq);
-      const double K = static_cast<double>(reduction_length(scales.shape, name));
-      const double bound_abs = gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
-                               scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M +
-                               underflow * std::sqrt(nn);
-      r.frob_bound = norm > 0 ? bound_abs / norm : 0.0;
-      // Elementwise: the whole internal budget may land on one element (a Frobenius norm bounds every element);
-      // the element's own rounding is rtol.
-      r.atol = gradient_safety * gradient_internal_error(scales, name) + underflow;
-      if (norm == 0) r.frob_bound = -1;  // all-zero exact gradient: judged elementwise (atol = 0 when k = 0)
-    }
-  } else {
-    r.rtol = profile.rtol;
-    r.atol = profile.atol;
-  }
-
-  // Strict grad_x, row by row: row r's error against the same budget built from its own floor and |k[r]|, q[r].
-  if (profile.kind == ProfileKind::strict && name == output_name::grad_x && !scales.row_k.empty()) {
-    const std::int64_t H = scales.shape.H;
-    const double e_l = scales.logprob_error(), W = scales.max_weight_norm;
-    const double row_sample = 1 + small_sample / std::sqrt(static_cast<double>(H));
-    const double acc = accumulation_safety * std::sqrt(static_cast<double>(scales.shape.V)) * u32 * 2;
-    double worst_row_margin = 0;
-    for (std::int64_t row = 0; row < scales.shape.N(); ++row) {
-      double err_sq = 0, floor_sq = 0;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const double e = exact.value(row * H + h), c = cand.value(row * H + h);
-        const double fl = round_to(cand.dtype, e) - e;
-        err_sq += (c - e) * (c - e);
-        floor_sq += fl * fl;
-      }
-      const double k = scales.row_k[static_cast<std::size_t>(row)], q = scales.row_q[static_cast<std::size_t>(row)];
-      const double bound = gradient_safety * row_sample * std::hypot(std::sqrt(floor_sq), operand_rounding * k * q * W) +
-                           scalar_safety * e_l * k * W + acc * k * W + underflow * std::sqrt(static_cast<double>(H));
-      const double err = std::sqrt(err_sq);
-      const double m = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
-      if (err > bound) ++r.rows_beyond;
-      if (m > worst_row_margin) {
-        worst_row_margin = m;
-        r.worst_row = "(" + std::to_string(row / scales.shape.T) + ", " + std::to_string(row % scales.shape.T) + ")";
-      }
-    }
-    r.margin = std::max(r.margin, worst_row_margin);
-  }
-
-  // Pass 2: elements beyond the elementwise tolerance, and the margin.
-  double worst_elementwise = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const double e = exact.value(i), c = cand.value(i);
-    const double allowed = r.atol + r.rtol * std::fabs(e);
-    const double err = std::fabs(c - e);
-    if (err > allowed) ++r.beyond;
-    worst_elementwise = std::max(worst_elementwise, allowed > 0 ? err / allowed : (err > 0 ? INFINITY : 0.0));
-  }
-  r.margin = std::max(r.margin, worst_elementwise);
-  if (r.frob_bound >= 0) r.margin = std::max(r.margin, r.frob_bound > 0 ? r.rel_frob / r.frob_bound : 0.0);
-
-  if (r.beyond > 0)
-    return fail(std::to_string(r.beyond) + " of " + std::to_string(n) + " beyond atol " + sci(r.atol) + " + rtol " +
-                sci(r.rtol) + " |exact|; worst at " + r.max_abs_at + ": " + sci(r.candidate_at_max, 6) + " vs " +
-                sci(r.reference_at_max, 6));
-  if (r.rows_beyond > 0)
-    return fail(std::to_string(r.rows_beyond) + " token rows beyond their own bound, worst row " + r.worst_row);
-  if (r.frob_bound >= 0 && r.rel_frob > r.frob_bound)
-    return fail("rel_frob " + sci(r.rel_frob) + " > bound " + sci(r.frob_bound) + " (" + sci(r.ratio) + " x floor)");
-  r.verdict = Verdict::passed;
-  return r;
-}
-
-}  // namespace
-
-Report compare(const Problem& problem, const TensorMap& exact, const TensorMap& candidate, const Profile& profile) {
-  return compare(ProblemScales::of(problem, &exact), exact, candidate, profile);
-}
-
-Report compare(const ProblemScales& scales, const TensorMap& exact, const TensorMap& candidate,
-               const Profile& profile) {
-  Report report;
-  report.profile = profile.name();
-  for (const auto& name : all_output_names()) {
-    const auto e = exact.find(name);
-    const auto c = candidate.find(name);
-    if (e == exact.end()) {
-      if (c != candidate.end()) {
-        TensorReport r;
-        r.name = name;
-        r.verdict = Verdict::failed;
-        r.dtype = dtype_name(c->second.dtype);
-        r.shape = c->second.shape;
-        r.reason = "unexpected: the reference has no " + name + " for this problem";
-        report.tensors.push_back(r);
-      }
-      continue;
-    }
-    if (c == candidate.end()) {
-      TensorReport r;
-      r.name = name;
-      r.verdict = Verdict::not_checked;
-      r.reason = "missing from the candidate";
-      report.tensors.push_back(r);
-      continue;
-    }
-    report.tensors.push_back(compare_tensor(scales, name, e->second, c->second, profile));
-  }
-  for (const auto& [name, t] : candidate)
-    if (!exact.count(name) && std::find(all_output_names().begin(), all_output_names().end(), name) == all_output_names().end()) {
-      TensorReport r;
-      r.name = name;
-      r.verdict = Verdict::failed;
-      r.dtype = dtype_name(t.dtype);
-      r.shape = t.shape;
-      r.reason = "not an output name of SPEC";
-      report.tensors.push_back(r);
-    }
-  return report;
-}
-
-std::string format_table(const Report& report) {
-  std::ostringstream os;
-  char line[512];
-  std::snprintf(line, sizeof line, "%-20s %-5s %-15s %9s %9s %9s %9s %9s %8s  %s\n", "tensor", "dtype", "shape",
-                "rel_frob", "floor", "ratio", "bound", "max_abs", "beyond", "verdict");
-  os << line;
-  for (const auto& t : report.tensors) {
-    if (t.verdict == Verdict::not_checked || (t.verdict == Verdict::failed && t.numel == 0 && t.reason.size())) {
-      std::snprintf(line, sizeof line, "%-20s %-5s %-15s %9s %9s %9s %9s %9s %8s  %s: %s\n", t.name.c_str(),
-                    t.dtype.c_str(), t.shape.empty() && t.dtype.empty() ? "" : shape_string(t.shape).c_str(), "-",
-                    "-", "-", "-", "-", "-", verdict_name(t.verdict).c_str(), t.reason.c_str());
-      os << line;
-      continue;
-    }
-    std::snprintf(line, sizeof line, "%-20s %-5s %-15s %9.2e %9.2e %9.2f %9s %9.2e %8lld  %s%s%s\n", t.name.c_str(),
-                  t.dtype.c_str(), shape_string(t.shape).c_str(), t.rel_frob, t.floor, t.ratio,
-                  t.frob_bound >= 0 ? sci(t.frob_bound).c_str() : "-", t.max_abs, static_cast<long long>(t.beyond),
-                  verdict_name(t.verdict).c_str(), t.reason.empty() ? "" : ": ", t.reason.c_str());
-    os << line;
-  }
-  os << "profile " << report.profile << ": " << report.count(Verdict::passed) << " passed, "
-     << report.count(Verdict::failed) << " failed, " << report.count(Verdict::not_checked) << " not checked -> "
-     << (report.passed() ? "PASSED" : "FAILED") << "\n";
-  return os.str();
-}
-
-std::string format_json(const Report& report) {
-  nlohmann::json j;
-  j["profile"] = report.profile;
-  j["passed"] = report.passed();
-  j["tensors"] = nlohmann::json::array();
-  auto number = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); };
-  for (const auto& t : report.tensors) {
-    nlohmann::json e;
-    e["name"] = t.name;
-    e["verdict"] = t.verdict == Verdict::passed ? "passed" : t.verdict == Verdict::failed ? "failed" : "not_checked";
-    e["reason"] = t.reason;
-    e["dtype"] = t.dtype;
-    e["shape"] = t.shape;
-    if (t.verdict != Verdict::not_checked && t.numel > 0) {
-      e["rel_frob"] = number(t.rel_frob);
-      e["floor"] = number(t.floor);
-      e["ratio"] = number(t.ratio);
-      e["max_abs"] = number(t.max_abs);
-      e["max_abs_at"] = t.max_abs_at;
-      e["rtol"] = t.rtol;
-      e["atol"] = t.atol;
-      e["frob_bound"] = t.frob_bound >= 0 ? number(t.frob_bound) : nlohmann::json(nullptr);
-      e["beyond"] = t.beyond;
-      e["non_finite"] = t.non_finite;
-      e["rows_beyond"] = t.rows_beyond;
-      e["margin"] = number(t.margin);
-    }
-    j["tensors"].push_back(e);
-  }
-  return j.dump(2) + "\n";
+double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double row_floor_abs) {
+  const double H = static_cast<double>(scales.shape.H);
+  const double e_l = scales.logprob_error(), W = scales.max_weight_norm;
+  const double row_sample = 1 + small_sample / std::sqrt(H);
+  const double acc = accumulation_safety * std::sqrt(static_cast<double>(scales.shape.V)) * u32 * 2;
+  const double k = scales.row_k[static_cast<std::size_t>(row)], q = scales.row_q[static_cast<std::size_t>(row)];
+  return gradient_safety * row_sample * std::hypot(row_floor_abs, operand_rounding * k * q * W) + scalar_safety * e_l * k * W +
+         acc * k * W + underflow * std::sqrt(H);
 }
 
 }  // namespace simpo::verifier

@@ -1,0 +1,49 @@
+#include "verifier/case_run.h"
+
+#include <stdexcept>
+
+namespace simpo::verifier {
+
+CaseRun::CaseRun(const Case& c, const Implementation& impl) : case_(c), impl_(impl) {}
+
+const Problem& CaseRun::problem() {
+  if (!problem_) problem_ = generate(case_.spec);
+  return *problem_;
+}
+
+const ProblemScales& CaseRun::scales() {
+  if (!scales_) scales_ = ProblemScales::of(problem(), spec_rejects() ? nullptr : &exact());
+  return *scales_;
+}
+
+bool CaseRun::spec_rejects() {
+  if (!reference_ran_) {
+    reference_ran_ = true;
+    try {
+      exact_ = reference_implementation().compute(problem(), RunOptions{});
+    } catch (const InputError& e) {
+      spec_error_ = e.what();
+    }
+  }
+  return spec_error_.has_value();
+}
+
+const std::string& CaseRun::spec_error() {
+  spec_rejects();
+  static const std::string none;
+  return spec_error_ ? *spec_error_ : none;
+}
+
+const TensorMap& CaseRun::exact() {
+  if (spec_rejects()) throw std::logic_error("CaseRun::exact on an input SPEC rejects");
+  return *exact_;
+}
+
+const TensorMap& CaseRun::candidate() {
+  if (!candidate_) candidate_ = run(problem(), case_.run_options());
+  return *candidate_;
+}
+
+TensorMap CaseRun::run(const Problem& p, const RunOptions& options) const { return impl_.compute(p, options); }
+
+}  // namespace simpo::verifier

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One validation of options for every implementation and command (issue 7), and `check` with several candidates
+# and a reference outputs file already on disk (issue 11), driven as a user would drive them.
+# Usage: options_and_check_test.sh SIMPO_VERIFY FIXTURES_DIR
+set -uo pipefail
+exe="$1"; fixtures="$2"
+work="$(mktemp -d)"; trap 'rm -rf "$work"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+# expect_refusal NAME NEEDLE COMMAND...: exit 2 and a message on stderr containing NEEDLE.
+expect_refusal() {
+  local name="$1" needle="$2"; shift 2
+  local err rc
+  err="$("$@" 2>&1 >/dev/null)"; rc=$?
+  [[ $rc -eq 2 ]] || fail "$name: exit $rc, expected 2 ($err)"
+  [[ "$err" == *"$needle"* ]] || fail "$name: message lacks \"$needle\": $err"
+}
+in="$fixtures/basic.inputs.safetensors"; ref="$fixtures/basic.reference.safetensors"
+
+# Tolerances: never a silent fall back to the strict profile.
+expect_refusal "check --rtol -1 --atol -1" "--rtol must be finite and >= 0" "$exe" check --inputs "$in" --candidate "$ref" --rtol -1 --atol -1
+expect_refusal "check --atol nan" "--atol must be finite and >= 0" "$exe" check --inputs "$in" --candidate "$ref" --atol nan
+expect_refusal "case --atol -0.5" "--atol must be finite" "$exe" case --impl reference --atol -0.5
+# Run options: the same refusal whatever the implementation.
+for impl in reference cpu; do
+  expect_refusal "compute --impl $impl --max-chunk-rows -3" "--max-chunk-rows must be >= 0" \
+    "$exe" compute --impl "$impl" --inputs "$in" --out "$work/o.safetensors" --max-chunk-rows -3
+  expect_refusal "case --impl $impl --max-chunk-rows -3" "--max-chunk-rows must be >= 0" "$exe" case --impl "$impl" --max-chunk-rows -3
+done
+expect_refusal "compute --workspace 0" "--workspace must be a positive" "$exe" compute --impl reference --inputs "$in" --out "$work/o.safetensors" --workspace 0
+expect_refusal "sweep --case-timeout 0" "--case-timeout must be" "$exe" sweep --impl "exec:true" --cases 1 --case-timeout 0
+expect_refusal "case --beta lots" "--beta" "$exe" case --impl reference --beta lots
+
+# check: several candidates, the reference once; --reference-outputs instead of recomputing.
+"$exe" compute --impl cpu --inputs "$in" --out "$work/cpu.safetensors" 2>/dev/null || fail "compute cpu"
+"$exe" compute --impl cpu+preference_sign_flip --inputs "$in" --out "$work/bad.safetensors" 2>/dev/null || fail "compute mutant"
+out="$("$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --candidate "$work/bad.safetensors" 2>&1)"; rc=$?
+[[ $rc -eq 1 ]] || fail "check with a failing candidate: exit $rc"
+[[ $(grep -c "profile strict:" <<<"$out") -eq 2 ]] || fail "check: not one table per candidate: $out"
+json="$("$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --candidate "$work/cpu.safetensors" --json --reference-outputs "$ref")"; rc=$?
+[[ $rc -eq 0 ]] || fail "check --reference-outputs: exit $rc"
+python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["passed"] and len(d["candidates"]) == 2, d' <<<"$json" || fail "check --json: not one document with two candidates"
+expect_refusal "check --reference-outputs of another problem" "--reference-outputs" \
+  "$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --reference-outputs "$fixtures/odd_dims.reference.safetensors"
+expect_refusal "check --reference-outputs of a candidate" "not F64" \
+  "$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --reference-outputs "$work/cpu.safetensors"
+
+[[ $failures -eq 0 ]] && echo "all passed"
+exit $((failures > 0))

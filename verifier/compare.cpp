@@ -1,0 +1,215 @@
+// The comparison: a candidate's outputs measured against the exact ones under a profile, tensor by tensor.
+#include "verifier/error_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace simpo::verifier {
+
+namespace {
+std::string sci(double v, int digits = 2) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*e", digits, v);
+  return buf;
+}
+}  // namespace
+
+std::string verdict_name(Verdict v) {
+  switch (v) {
+    case Verdict::passed: return "passed";
+    case Verdict::failed: return "FAILED";
+    case Verdict::not_checked: return "not checked";
+  }
+  return "?";
+}
+
+bool Report::passed() const {
+  if (tensors.empty()) return false;
+  for (const auto& t : tensors)
+    if (t.verdict != Verdict::passed) return false;
+  return true;
+}
+
+int Report::count(Verdict v) const {
+  return static_cast<int>(std::count_if(tensors.begin(), tensors.end(), [v](const auto& t) { return t.verdict == v; }));
+}
+
+double Report::worst_margin() const {
+  double worst = 0;
+  for (const auto& t : tensors) worst = std::max(worst, t.margin);
+  return worst;
+}
+
+namespace {
+
+TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
+                            const Tensor& cand, const Profile& profile) {
+  TensorReport r;
+  r.name = name;
+  r.dtype = dtype_name(cand.dtype);
+  r.shape = cand.shape;
+  r.numel = cand.numel();
+  auto fail = [&](std::string why) {
+    r.verdict = Verdict::failed;
+    r.reason = std::move(why);
+    return r;
+  };
+  if (cand.dtype == DType::I64) return fail("dtype I64 is not a floating-point output");
+  if (cand.shape != exact.shape)
+    return fail("shape " + shape_string(cand.shape) + ", expected " + shape_string(exact.shape));
+  if (static_cast<std::int64_t>(cand.bytes.size()) != cand.numel() * static_cast<std::int64_t>(dtype_size(cand.dtype)))
+    return fail("holds " + std::to_string(cand.bytes.size()) + " bytes for shape " + shape_string(cand.shape));
+
+  // Pass 1: norms, floor, the largest error, non-finite values.
+  const std::int64_t n = exact.numel();
+  double sum_exact_sq = 0, sum_err_sq = 0, sum_floor_sq = 0;
+  std::int64_t worst = -1;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double e = exact.value(i), c = cand.value(i);
+    if (!std::isfinite(c) && std::isfinite(e)) {
+      if (r.non_finite++ == 0) {
+        r.max_abs_at = index_string(i, exact.shape);
+        r.reference_at_max = e;
+        r.candidate_at_max = c;
+      }
+      continue;
+    }
+    const double err = std::fabs(c - e);
+    const double fl = round_to(cand.dtype, e) - e;
+    sum_exact_sq += e * e;
+    sum_err_sq += err * err;
+    sum_floor_sq += fl * fl;
+    if (worst < 0 || err > r.max_abs) {
+      r.max_abs = err;
+      worst = i;
+    }
+  }
+  if (r.non_finite > 0)
+    return fail(std::to_string(r.non_finite) + " NaN/Inf where the reference is finite, first at " + r.max_abs_at +
+                " = " + sci(r.candidate_at_max));
+  const double norm = std::sqrt(sum_exact_sq);
+  r.rel_frob = norm > 0 ? std::sqrt(sum_err_sq) / norm : (sum_err_sq > 0 ? INFINITY : 0.0);
+  r.floor = norm > 0 ? std::sqrt(sum_floor_sq) / norm : 0.0;
+  r.ratio = r.floor > 0 ? r.rel_frob / r.floor : (r.rel_frob > 0 ? INFINITY : 0.0);
+  if (worst >= 0) {
+    r.max_abs_at = index_string(worst, exact.shape);
+    r.reference_at_max = exact.value(worst);
+    r.candidate_at_max = cand.value(worst);
+  }
+
+  // The tolerances.
+  if (profile.kind == ProfileKind::strict) {
+    const StrictBounds b = strict_bounds(scales, name, cand.dtype);
+    r.rtol = b.rtol;
+    r.atol = b.atol;
+    if (b.frob_bound >= 0) {
+      const double bound_abs = gradient_frob_bound_abs(scales, name, std::sqrt(sum_floor_sq), n);
+      r.frob_bound = norm > 0 ? bound_abs / norm : 0.0;
+      // Elementwise: the whole internal budget may land on one element (a Frobenius norm bounds every element);
+      // the element's own rounding is rtol.
+      r.atol = gradient_elementwise_atol(scales, name);
+      if (norm == 0) r.frob_bound = -1;  // all-zero exact gradient: judged elementwise (atol = 0 when k = 0)
+    }
+  } else {
+    r.rtol = profile.rtol;
+    r.atol = profile.atol;
+  }
+
+  // Strict grad_x, row by row: row r's error against the same budget built from its own floor and |k[r]|, q[r].
+  if (profile.kind == ProfileKind::strict && name == output_name::grad_x && !scales.row_k.empty()) {
+    const std::int64_t H = scales.shape.H;
+    double worst_row_margin = 0;
+    for (std::int64_t row = 0; row < scales.shape.N(); ++row) {
+      double err_sq = 0, floor_sq = 0;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double e = exact.value(row * H + h), c = cand.value(row * H + h);
+        const double fl = round_to(cand.dtype, e) - e;
+        err_sq += (c - e) * (c - e);
+        floor_sq += fl * fl;
+      }
+      const double bound = grad_x_row_bound(scales, row, std::sqrt(floor_sq));
+      const double err = std::sqrt(err_sq);
+      const double m = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
+      if (err > bound) ++r.rows_beyond;
+      if (m > worst_row_margin) {
+        worst_row_margin = m;
+        r.worst_row = "(" + std::to_string(row / scales.shape.T) + ", " + std::to_string(row % scales.shape.T) + ")";
+      }
+    }
+    r.margin = std::max(r.margin, worst_row_margin);
+  }
+
+  // Pass 2: elements beyond the elementwise tolerance, and the margin.
+  double worst_elementwise = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double e = exact.value(i), c = cand.value(i);
+    const double allowed = r.atol + r.rtol * std::fabs(e);
+    const double err = std::fabs(c - e);
+    if (err > allowed) ++r.beyond;
+    worst_elementwise = std::max(worst_elementwise, allowed > 0 ? err / allowed : (err > 0 ? INFINITY : 0.0));
+  }
+  r.margin = std::max(r.margin, worst_elementwise);
+  if (r.frob_bound >= 0) r.margin = std::max(r.margin, r.frob_bound > 0 ? r.rel_frob / r.frob_bound : 0.0);
+
+  if (r.beyond > 0)
+    return fail(std::to_string(r.beyond) + " of " + std::to_string(n) + " beyond atol " + sci(r.atol) + " + rtol " +
+                sci(r.rtol) + " |exact|; worst at " + r.max_abs_at + ": " + sci(r.candidate_at_max, 6) + " vs " +
+                sci(r.reference_at_max, 6));
+  if (r.rows_beyond > 0)
+    return fail(std::to_string(r.rows_beyond) + " token rows beyond their own bound, worst row " + r.worst_row);
+  if (r.frob_bound >= 0 && r.rel_frob > r.frob_bound)
+    return fail("rel_frob " + sci(r.rel_frob) + " > bound " + sci(r.frob_bound) + " (" + sci(r.ratio) + " x floor)");
+  r.verdict = Verdict::passed;
+  return r;
+}
+
+}  // namespace
+
+Report compare(const Problem& problem, const TensorMap& exact, const TensorMap& candidate, const Profile& profile) {
+  return compare(ProblemScales::of(problem, &exact), exact, candidate, profile);
+}
+
+Report compare(const ProblemScales& scales, const TensorMap& exact, const TensorMap& candidate,
+               const Profile& profile) {
+  Report report;
+  report.profile = profile.name();
+  for (const auto& name : all_output_names()) {
+    const auto e = exact.find(name);
+    const auto c = candidate.find(name);
+    if (e == exact.end()) {
+      if (c != candidate.end()) {
+        TensorReport r;
+        r.name = name;
+        r.verdict = Verdict::failed;
+        r.dtype = dtype_name(c->second.dtype);
+        r.shape = c->second.shape;
+        r.reason = "unexpected: the reference has no " + name + " for this problem";
+        report.tensors.push_back(r);
+      }
+      continue;
+    }
+    if (c == candidate.end()) {
+      TensorReport r;
+      r.name = name;
+      r.verdict = Verdict::not_checked;
+      r.reason = "missing from the candidate";
+      report.tensors.push_back(r);
+      continue;
+    }
+    report.tensors.push_back(compare_tensor(scales, name, e->second, c->second, profile));
+  }
+  for (const auto& [name, t] : candidate)
+    if (!exact.count(name) && std::find(all_output_names().begin(), all_output_names().end(), name) == all_output_names().end()) {
+      TensorReport r;
+      r.name = name;
+      r.verdict = Verdict::failed;
+      r.dtype = dtype_name(t.dtype);
+      r.shape = t.shape;
+      r.reason = "not an output name of SPEC";
+      report.tensors.push_back(r);
+    }
+  return report;
+}
+
+}  // namespace simpo::verifier

@@ -1,0 +1,49 @@
+// The sweep: random cases from the one distribution (case.h), each checked by check_case (properties.h), a
+// failing case shrunk and written as a counterexample file. A library function (implementation + options ->
+// result) so the CLI, the ctests and other front ends (the python binding) drive it the same way.
+#pragma once
+
+#include "verifier/properties.h"
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace simpo::verifier {
+
+struct SweepOptions {
+  std::uint64_t seed = 20260101;
+  std::int64_t max_cases = 0;     // 0: no limit
+  double time_budget_s = 60;      // 0: no limit (then max_cases must be set)
+  bool stop_at_first_failure = false;
+  bool shrink = true;
+  std::string counterexample_dir; // empty: write no files
+  std::function<void(std::int64_t cases, std::int64_t failures, double seconds)> progress;  // ~every second
+};
+
+struct Counterexample {
+  std::int64_t case_index = 0;
+  Case original, shrunk;
+  Outcome outcome;          // on the shrunk case
+  std::string inputs_path;  // empty when not written
+  std::string replay;       // commands that replay it
+};
+
+struct SweepResult {
+  std::int64_t cases = 0;
+  double seconds = 0;
+  std::map<std::string, std::int64_t> passed, failed, skipped;  // by property
+  std::vector<Counterexample> failures;
+  std::map<std::string, double> worst_margin;  // by output tensor, over matches_reference checks that passed
+};
+
+// InputError when neither a case count nor a time budget bounds it.
+SweepResult run_sweep(const Implementation&, const SweepOptions&);
+
+// The per-property table (passed / failed / skipped), then each counterexample with its shrunk case and replay
+// commands; what `simpo-verify sweep` and the main job print.
+std::string format_sweep(const SweepResult&, const std::string& impl);
+
+}  // namespace simpo::verifier
