@@ -1,0 +1,49 @@
+// The fused step with the LM head split by vocabulary rows across G ranks (Megatron's vocab-parallel layout):
+// rank g holds weight rows [shard.begin, shard.end) and the bias entries of the same rows, and every rank sees
+// all of x and target. Per chunk of token rows the step needs three small collectives:
+//   1. all-reduce of each row's (max, sum of exp) pair (the log-sum-exp merge), and of the row sum of logits;
+//   2. the target logit, from the rank whose shard holds the target (a sum in which the others add 0);
+//   3. all-reduce (sum) of grad_x's per-rank partial products dz_g W_g.
+// grad_weight and grad_bias stay local: each rank ends with its own shard of them, and every rank with the
+// full scalars and the full grad_x.
+//
+// This file's `cpu` implementation runs the G ranks in one process and performs each collective as a loop over
+// the ranks in rank order (the order a ring or tree would fix), so CI proves the sharded algebra against the
+// float64 reference without a GPU. The NCCL implementation keeps the same per-rank arithmetic.
+#pragma once
+
+#include "fused/fused.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace simpo::fused::vocab_parallel {
+
+struct VocabShard {
+  std::int64_t begin = 0, end = 0;  // weight rows [begin, end)
+  std::int64_t size() const { return end - begin; }
+};
+
+// V rows over G ranks in contiguous shards whose sizes differ by at most one (the first V % G ranks hold one
+// more). InputError unless 1 <= G <= V.
+std::vector<VocabShard> split_vocabulary(std::int64_t V, int shards);
+
+// What one rank ends with: SPEC's scalars and per-pair outputs and grad_x (identical on every rank), and the
+// rank's rows of grad_weight [shard rows, H] and grad_bias [shard rows].
+struct RankOutputs {
+  VocabShard shard;
+  TensorMap outputs;
+};
+
+// The G ranks' outputs, computed in one process (validates first, as every implementation does).
+std::vector<RankOutputs> compute_ranks(const Problem&, const Options&, int shards);
+
+// SPEC's outputs from the ranks': the replicated tensors from rank 0 (InputError if any rank's copy differs in
+// a single bit: a collective that did not reach every rank), grad_weight and grad_bias concatenated in shard
+// order.
+TensorMap gather(const std::vector<RankOutputs>&);
+
+// compute_ranks, then gather: an implementation like any other.
+TensorMap compute(const Problem&, const Options&, int shards);
+
+}  // namespace simpo::fused::vocab_parallel
