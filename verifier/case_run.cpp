@@ -4,7 +4,8 @@
 
 namespace simpo::verifier {
 
-CaseRun::CaseRun(const Case& c, const Implementation& impl) : case_(c), impl_(impl) {}
+CaseRun::CaseRun(const Case& c, const Implementation& impl, const Profile& profile)
+    : case_(c), impl_(impl), profile_(profile) {}
 
 const Problem& CaseRun::problem() {
   if (!problem_) problem_ = generate(case_.spec);

@@ -12,7 +12,9 @@ namespace simpo::verifier {
 
 class CaseRun {
  public:
-  CaseRun(const Case&, const Implementation&);
+  // `profile` is what matches_reference judges with (strict unless a sweep asks for another).
+  CaseRun(const Case&, const Implementation&, const Profile& profile = strict_profile());
+  const Profile& profile() const { return profile_; }
   const Case& test_case() const { return case_; }
   const Implementation& implementation() const { return impl_; }
   const Problem& problem();
@@ -27,6 +29,7 @@ class CaseRun {
  private:
   Case case_;
   Implementation impl_;
+  Profile profile_;
   std::optional<Problem> problem_;
   std::optional<ProblemScales> scales_;
   std::optional<TensorMap> exact_, candidate_;

@@ -8,18 +8,19 @@
 
 namespace simpo::verifier {
 
-std::string write_counterexample(const Case& c, const std::string& impl, const std::string& path) {
+std::string write_counterexample(const Case& c, const std::string& impl, const std::string& path,
+                                 const std::string& profile_flags) {
   Problem p = generate(c.spec);
   p.description = "counterexample for " + impl + ": " + c.to_string();
   if (auto dir = std::filesystem::path(path).parent_path(); !dir.empty()) std::filesystem::create_directories(dir);
   save_problem(path, p);
   std::ostringstream os;
-  os << "  " << c.case_command(impl) << "\n"
+  os << "  " << c.case_command(impl) << profile_flags << "\n"
      << "  simpo-verify compute --impl " << shell_quote(impl) << " --inputs " << shell_quote(path)
      << " --out /tmp/candidate.safetensors";
   if (c.max_chunk_rows != 0) os << " --max-chunk-rows " << c.max_chunk_rows;
   if (c.workspace_bytes != fused::default_workspace_bytes) os << " --workspace " << c.workspace_bytes;
-  os << " && simpo-verify check --inputs " << shell_quote(path) << " --candidate /tmp/candidate.safetensors";
+  os << " && simpo-verify check --inputs " << shell_quote(path) << " --candidate /tmp/candidate.safetensors" << profile_flags;
   return os.str();
 }
 

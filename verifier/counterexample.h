@@ -8,8 +8,10 @@
 
 namespace simpo::verifier {
 
-// Writes the case's inputs file and returns the replay commands.
-std::string write_counterexample(const Case&, const std::string& impl, const std::string& path);
+// Writes the case's inputs file and returns the replay commands (`profile_flags`, e.g. " --profile peer", is
+// appended to the commands that judge).
+std::string write_counterexample(const Case&, const std::string& impl, const std::string& path,
+                                 const std::string& profile_flags = "");
 // The implementation name made safe for a file name ("exec:python3 x.py" -> "exec_python3_x.py").
 std::string file_name_part(const std::string& impl);
 

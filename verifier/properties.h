@@ -2,7 +2,7 @@
 // the `simpo-verify` sweep, `simpo-verify mutants` and the rapidcheck tests in property_tests/:
 //   valid_input_agrees   an input SPEC rejects (e.g. a sequence with no completion token) is an InputError for
 //                        the candidate too, and one SPEC accepts is not
-//   matches_reference    every output passes the strict error model against the float64 reference
+//   matches_reference    every output passes the strict error model (or the sweep's profile) against the reference
 //   chunking_invariant   the workspace budget / max_chunk_rows changes nothing beyond fp32 noise (skipped for
 //                        an implementation that cannot be given them: an external program)
 //   ignored_rows_zero    grad_x rows at ignored positions are exactly zero
@@ -50,7 +50,7 @@ const Property& property_by_name(const std::string&);  // InputError for an unkn
 // the input (nothing more to compare), and at the first failure when asked.
 std::vector<Outcome> check_case(CaseRun&, const std::vector<std::string>& only = {}, bool stop_at_first_failure = false);
 std::vector<Outcome> check_case(const Case&, const Implementation&, const std::vector<std::string>& only = {},
-                                bool stop_at_first_failure = false);
+                                bool stop_at_first_failure = false, const Profile& = strict_profile());
 
 // Two runs of fp32-accumulating code that differ only in summation order and chunking agree: scalars and
 // per-pair outputs within twice their strict tolerance (fp32 noise); gradients within twice the internal error

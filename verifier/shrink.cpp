@@ -7,7 +7,7 @@
 namespace simpo::verifier {
 
 Case shrink(const Case& failing, const Implementation& impl, const std::string& property, int max_attempts,
-            double max_seconds) {
+            double max_seconds, const Profile& profile) {
   const auto start = std::chrono::steady_clock::now();
   auto out_of_time = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > max_seconds;
@@ -15,7 +15,7 @@ Case shrink(const Case& failing, const Implementation& impl, const std::string& 
   auto fails = [&](const Case& c) {
     try {
       validate_shape(c.spec.shape);
-      const auto outcomes = check_case(c, impl, {property});
+      const auto outcomes = check_case(c, impl, {property}, false, profile);
       return !outcomes.empty() && !outcomes.back().passed;
     } catch (const std::exception&) {
       return false;

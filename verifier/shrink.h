@@ -5,12 +5,13 @@
 #pragma once
 
 #include "verifier/case.h"
+#include "verifier/error_model.h"
 
 #include <string>
 
 namespace simpo::verifier {
 
 Case shrink(const Case&, const Implementation&, const std::string& property, int max_attempts = 300,
-            double max_seconds = 120);
+            double max_seconds = 120, const Profile& = strict_profile());
 
 }  // namespace simpo::verifier

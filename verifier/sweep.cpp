@@ -7,6 +7,19 @@
 
 namespace simpo::verifier {
 
+namespace {
+// The flags that give `check` and `case` the sweep's profile, for replay commands.
+std::string profile_flags(const Profile& p) {
+  char buf[96];
+  switch (p.kind) {
+    case ProfileKind::strict: return "";
+    case ProfileKind::peer: return " --profile peer";
+    case ProfileKind::user: std::snprintf(buf, sizeof buf, " --rtol %.17g --atol %.17g", p.rtol, p.atol); return buf;
+  }
+  return "";
+}
+}  // namespace
+
 SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
   if (options.max_cases <= 0 && options.time_budget_s <= 0)
     throw InputError("a sweep needs a case count or a time budget");
@@ -24,7 +37,7 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
       c.max_chunk_rows = 0;
       c.workspace_bytes = fused::default_workspace_bytes;
     }
-    CaseRun run(c, impl);
+    CaseRun run(c, impl, options.profile);
     const std::vector<Outcome> outcomes = check_case(run, {}, options.stop_at_first_failure);
     bool any_failed = false;
     for (const Outcome& o : outcomes) {
@@ -37,15 +50,15 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
       Counterexample ce;
       ce.case_index = i;
       ce.original = c;
-      ce.shrunk = options.shrink ? shrink(c, impl, o.property) : c;
-      const auto again = check_case(ce.shrunk, impl, {o.property});
+      ce.shrunk = options.shrink ? shrink(c, impl, o.property, options.shrink_attempts, options.shrink_seconds, options.profile) : c;
+      const auto again = check_case(ce.shrunk, impl, {o.property}, false, options.profile);
       ce.outcome = again.empty() || again.back().passed ? o : again.back();
       if (!options.counterexample_dir.empty()) {
         ce.inputs_path = options.counterexample_dir + "/" + file_name_part(impl.name) + "-" + o.property + "-case" +
                          std::to_string(i) + ".inputs.safetensors";
-        ce.replay = write_counterexample(ce.shrunk, impl.name, ce.inputs_path);
+        ce.replay = write_counterexample(ce.shrunk, impl.name, ce.inputs_path, profile_flags(options.profile));
       } else {
-        ce.replay = "  " + ce.shrunk.case_command(impl.name);
+        ce.replay = "  " + ce.shrunk.case_command(impl.name) + profile_flags(options.profile);
       }
       result.failures.push_back(ce);
     }

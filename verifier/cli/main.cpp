@@ -297,6 +297,7 @@ struct SweepArgs {
   std::string impl = "auto", counterexample_dir = "simpo-counterexamples";
   bool stop = false, no_shrink = false;
   sv::ImplementationOptions impl_options;
+  ProfileArgs profile;
 };
 
 int run_sweep_command(const SweepArgs& a) {
@@ -308,6 +309,7 @@ int run_sweep_command(const SweepArgs& a) {
   options.time_budget_s = a.time_budget;
   options.stop_at_first_failure = a.stop;
   options.shrink = !a.no_shrink;
+  options.profile = a.profile.resolve();
   options.counterexample_dir = a.counterexample_dir;
   options.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("sweep", c, f, s); };
   const sv::SweepResult r = sv::run_sweep(impl, options);
@@ -402,6 +404,7 @@ int main(int argc, char** argv) {
   s->add_option("--counterexample-dir", sweep.counterexample_dir, "where failing cases' inputs files go");
   s->add_flag("--stop-at-first-failure", sweep.stop);
   s->add_flag("--no-shrink", sweep.no_shrink, "report failing cases as found");
+  add_profile_options(s, sweep.profile);
 
   try {
     app.parse(argc, argv);

@@ -42,7 +42,7 @@ leftovers="$(find "$work" -name '.out.safetensors.*')"
 
 # Runs too large for the machine are refused with their bytes, before allocating.
 expect_refusal "case V=2^40" "needs 2199023255572 bytes" "$exe" case --B 2 --T 1 --H 1 --V 1099511627776
-expect_refusal "reference over the memory cap" "the float64 reference on B=2 T=8 H=16 V=64 needs" env SIMPO_MEMORY_LIMIT_BYTES=10000 \
+expect_refusal "reference over the memory cap" "on B=2 T=8 H=16 V=64 needs" env SIMPO_MEMORY_LIMIT_BYTES=10000 \
   "$exe" compute --impl reference --inputs "$in" --out "$work/ref.safetensors"
 
 # A directory given as a file.
