@@ -7,18 +7,23 @@
 
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
+#include "fused/cuda/promoted_gemm.h"
 
 #include <cstring>
 
 namespace simpo::fused::cuda {
 
+// Asked once per process: probing the driver costs milliseconds and the answer does not change.
 bool device_present() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // no driver or no device: not an error for this question
-    return false;
-  }
-  return count > 0;
+  static const bool present = [] {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      cudaGetLastError();  // no driver or no device: not an error for this question
+      return false;
+    }
+    return count > 0;
+  }();
+  return present;
 }
 
 namespace {
@@ -44,8 +49,13 @@ Tensor download(const void* device, DType dtype, std::vector<std::int64_t> shape
 
 Tuning tuning_for(std::int64_t H, const Options& options) {
   Tuning tuning;
-  if (options.logits_k_slice > 0)
-    tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));
+  if (options.logits_k_slice <= 0) return tuning;  // one cuBLAS GEMM
+  if (promoted_logits_available()) {
+    tuning.logits = Tuning::Logits::promoted;
+    tuning.promotion_k = std::max(promoted_k_granule, options.logits_k_slice / promoted_k_granule * promoted_k_granule);
+    return tuning;
+  }
+  tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));
   return tuning;
 }
 

@@ -5,6 +5,7 @@
 
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/gemm.h"
+#include "fused/cuda/promoted_gemm.h"
 #include "fused/forward_outputs.h"
 #include "fused/fused.h"
 #include "fused/schedule.h"
@@ -49,13 +50,24 @@ struct RunReport {
   int gemm_fallbacks = 0;            // GEMMs that went to cublasGemmEx instead of cuBLASLt
 };
 
-// Knobs that trade speed for accuracy. cuda::compute(problem, options) takes them from options
-// (tuning_for); the benchmarks may set them directly.
+// How the logits GEMM runs. cuda::compute(problem, options) takes it from options (tuning_for); the
+// benchmarks may set it directly.
 struct Tuning {
-  // Slices of the logits GEMM's k (see Gemms::logits): 1 is fastest; s slices cut the fp32 accumulation bias
-  // of the logits, and so the relative error of loss/nll/logps, about s-fold.
+  enum class Logits {
+    promoted,  // promoted_gemm.h (sm_90 with CUTLASS): one GEMM, partial sums promoted to fp32 every promotion_k
+    cublas,    // Gemms::logits: k cut into logits_k_splits cuBLAS GEMMs summed in the fp32 epilogue
+  };
+  Logits logits = Logits::cublas;
+  // cublas: 1 is fastest; s slices cut the tensor cores' fp32 accumulation bias of the logits, and so the
+  // relative error of loss/nll/logps, about s-fold, for s - 1 extra passes over the chunk logits.
   int logits_k_splits = 1;
+  // promoted: k per promotion (a multiple of promoted_k_granule; 0: never, for measuring what it costs) and
+  // the compiled variant and tile order (promoted_gemm.h).
+  std::int64_t promotion_k = 256;
+  PromotedSchedule promoted;
 };
+// The default for a device and H: promoted every logits_k_slice (rounded to the k tile) where
+// promoted_logits_available(), else that many cuBLAS slices; logits_k_slice = 0 is one cuBLAS GEMM anywhere.
 Tuning tuning_for(std::int64_t H, const Options&);
 
 class FusedRunner {

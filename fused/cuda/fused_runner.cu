@@ -1,6 +1,7 @@
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/kernels.h"
+#include "fused/cuda/promoted_gemm.h"
 
 #include <algorithm>
 
@@ -18,7 +19,7 @@ std::int64_t gemm_workspace_bytes(std::int64_t budget) {
 // The workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that live for the
 // whole run, then the chunk buffers (logits, dz, grad_x) sized for the largest chunk.
 struct Layout {
-  std::int64_t gemm = 0, row_max = 0, lse = 0, z_target = 0, target_coef = 0, rowsum = 0, avg = 0, avg_grad = 0,
+  std::int64_t gemm = 0, row_max = 0, lse = 0, z_target = 0, target_coef = 0, rowsum = 0, avg_grad = 0,
                completion_tokens = 0, fixed = 0;
   std::int64_t per_row = 0;  // this backend's bytes per chunk row (padded rows; cf. workspace_bytes_per_row)
   std::int64_t logits = 0, dz = 0, grad_x = 0, total = 0;
@@ -39,7 +40,6 @@ Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients) {
   l.z_target = take(N * 4);
   l.target_coef = take(N * 4);
   l.rowsum = take(N * 8);
-  l.avg = take(B * 8);
   l.avg_grad = take(B * 8);
   l.completion_tokens = take(B * 8);
   l.fixed = at + 3 * kAlign;  // room to align the three chunk buffers
@@ -111,7 +111,6 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   float* z_target = reinterpret_cast<float*>(base + layout.z_target);
   float* target_coef = reinterpret_cast<float*>(base + layout.target_coef);
   double* rowsum = reinterpret_cast<double*>(base + layout.rowsum);
-  double* avg = reinterpret_cast<double*>(base + layout.avg);
   double* avg_grad = reinterpret_cast<double*>(base + layout.avg_grad);
   auto* completion_tokens = reinterpret_cast<std::int64_t*>(base + layout.completion_tokens);
   float* logits = reinterpret_cast<float*>(base + layout.logits);
@@ -136,8 +135,20 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
-      gemms_->logits(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, logits + offset * ld_v, ld_v,
-                     tuning.logits_k_splits);
+      const __nv_bfloat16* x_part = p.x + part.begin * ld_h;
+      float* logits_part = logits + offset * ld_v;
+      // The promoted GEMM stores whole groups of 4 fp32 columns; the last V % 4 go through cuBLAS, cut along k
+      // as often as the promotion, so they carry the same small bias.
+      const std::int64_t V4 = tuning.logits == Tuning::Logits::promoted ? V / 4 * 4 : 0;
+      if (V4 > 0)
+        promoted_logits(part.rows(), V4, ld_h, x_part, p.weight, logits_part, ld_v, tuning.promotion_k, stream_,
+                        base + layout.gemm, static_cast<std::size_t>(gemm_bytes_), tuning.promoted);
+      const int tail_splits = V4 == 0 ? tuning.logits_k_splits
+                              : tuning.promotion_k > 0
+                                  ? static_cast<int>((ld_h + tuning.promotion_k - 1) / tuning.promotion_k)
+                                  : 1;
+      if (V4 < V)
+        gemms_->logits(part.rows(), V - V4, ld_h, x_part, p.weight + V4 * ld_h, logits_part + V4, ld_v, tail_splits);
       if (with_stats) launch_row_stats(part_logits(part, offset), row_max, lse, z_target, rowsum, stream_);
       offset += part.rows();
     }
@@ -163,7 +174,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     }
   };
   auto pair_math = [&](std::int64_t pair_begin, std::int64_t pair_end) {
-    launch_pair_math(pair_params, pair_begin, pair_end, p.target, lse, z_target, completion_tokens, avg, avg_grad,
+    launch_pair_math(pair_params, pair_begin, pair_end, p.target, lse, z_target, completion_tokens, avg_grad,
                      stream_);
   };
 

@@ -1,3 +1,14 @@
+// The fused step's own kernels, in the order a chunk meets them (GEMMs: gemm.cu, promoted_gemm.cu):
+//
+//   kernel                    pass            what it does
+//   row_stats_kernel          1 (forward)     per token row of fp32 logits (+ bias): max, log-sum-exp, the target
+//                                             logit, the row sum (for the logits means)
+//   pair_math_kernel          between 1 and 2 per pair: the two sequences' averages of log p and dL/davg of each
+//   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t)
+//   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
+//   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x (the one-hot term in fp32)
+//   bias_column_sums_kernel   2               grad_bias += column sums of dz (its target terms: target_scatter)
+//   round_to_bf16_kernel      end             the fp32 grad_weight / grad_bias accumulators into the bf16 outputs
 #include "fused/cuda/kernels.h"
 
 #include "fused/cuda/cuda_check.h"
@@ -140,7 +151,7 @@ __global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, flo
 __global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, std::int64_t pair_begin,
                                                                const std::int64_t* target, const float* lse,
                                                                const float* z_target, const std::int64_t* n,
-                                                               double* avg, double* avg_grad) {
+                                                               double* avg_grad) {
   const std::int64_t i = pair_begin + blockIdx.x, chosen = i, rejected = p.P + i;
   double chosen_sum = 0, rejected_sum = 0;
   for (std::int64_t t = threadIdx.x; t < p.T; t += kRowThreads) {
@@ -155,8 +166,6 @@ __global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, st
     const double c = m::sequence_average(chosen_sum, static_cast<long long>(n[chosen]));
     const double r = m::sequence_average(rejected_sum, static_cast<long long>(n[rejected]));
     const m::PairTerm<double> term = m::pair_term(c, r, p.beta, p.gamma, p.label_smoothing);
-    avg[chosen] = c;
-    avg[rejected] = r;
     avg_grad[chosen] = m::avg_gradient(term.dterm, p.beta, static_cast<long long>(p.P), true);
     avg_grad[rejected] = m::avg_gradient(term.dterm, p.beta, static_cast<long long>(p.P), false);
   }
@@ -311,10 +320,10 @@ void launch_row_stats(const LogitRows& a, float* row_max, float* lse, float* z_t
 
 void launch_pair_math(const PairParams& p, std::int64_t pair_begin, std::int64_t pair_end,
                       const std::int64_t* target, const float* lse, const float* z_target,
-                      const std::int64_t* completion_tokens, double* avg, double* avg_grad, cudaStream_t stream) {
+                      const std::int64_t* completion_tokens, double* avg_grad, cudaStream_t stream) {
   if (pair_end <= pair_begin) return;
   pair_math_kernel<<<grid_rows(pair_end - pair_begin), kRowThreads, 0, stream>>>(
-      p, pair_begin, target, lse, z_target, completion_tokens, avg, avg_grad);
+      p, pair_begin, target, lse, z_target, completion_tokens, avg_grad);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

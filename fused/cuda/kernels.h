@@ -28,15 +28,16 @@ struct LogitRows {
 // in double.
 void launch_row_stats(const LogitRows&, float* row_max, float* lse, float* z_target, double* rowsum, cudaStream_t);
 
-// Pair math for pairs [pair_begin, pair_end): avg[b] and dL/davg[b] (avg_grad) for both sequences of each pair,
-// in double from the fp32 row stats, exactly the formulas of fused/forward_outputs.cpp.
+// Pair math for pairs [pair_begin, pair_end): dL/davg[b] (avg_grad) for both sequences of each pair, in double
+// from the fp32 row stats, exactly the formulas of fused/forward_outputs.cpp. (The averages themselves, and the
+// loss, are the host's: fused/forward_outputs.cpp from the copied row stats.)
 struct PairParams {
   std::int64_t T, P;
   std::int64_t ignore_index;
   double beta, gamma, label_smoothing;
 };
 void launch_pair_math(const PairParams&, std::int64_t pair_begin, std::int64_t pair_end, const std::int64_t* target,
-                      const float* lse, const float* z_target, const std::int64_t* completion_tokens, double* avg,
+                      const float* lse, const float* z_target, const std::int64_t* completion_tokens,
                       double* avg_grad, cudaStream_t);
 
 // Pass 2: dz rows. D[r, v] = bf16(-k softmax_v) off the target column, 0 at it and in the padding columns

@@ -1,11 +1,15 @@
 // Benchmark of the cuda backend on the published workload (T=1024, H=4096, V=128256, bf16): fused
-// forward-only and forward+backward times against the cuBLASLt GEMM floor of the same shapes measured in the
-// same run (1 GEMM for the forward, 3 for forward+backward), and the peak device memory the fused step takes
+// forward-only and forward+backward times against the floor measured in the same run: the same GEMMs through
+// cuBLAS with bf16 outputs, as torch runs them (1 GEMM for the forward, 3 for forward+backward); the peak device memory the fused step takes
 // above its inputs and outputs. Random inputs (never zeros: they run faster than real data), times are medians
-// of CUDA-event intervals after warm-up. Inputs live on the device: no host transfers are timed.
+// of CUDA-event intervals after warm-up. Inputs live on the device: no host transfers are timed. Each B also
+// prints one "JSON {...}" line (bench/speed_table.py collects them).
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/gemm.h"
+#include "fused/cuda/promoted_gemm.h"
+
+#include <cublas_v2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -87,12 +91,13 @@ std::int64_t free_device_bytes() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::int64_t> batches = {2, 16};
+  std::vector<std::int64_t> batches = {2, 4, 8, 16};
   std::int64_t T = 1024, H = 4096, V = 128256;
   std::int64_t workspace = default_workspace_bytes;
   int warmup = 3, reps = 10;
   Tuning tuning;
-  tuning.logits_k_splits = 0;  // 0: what fused::Options' default logits_k_slice gives for H
+  bool tuned = false;  // false: what fused::Options' default logits_k_slice gives for H on this device
+  std::int64_t max_chunk_rows = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::int64_t {
@@ -105,29 +110,56 @@ int main(int argc, char** argv) {
     if (a == "--B") {
       batches.clear();
       batches.push_back(next());
+      while (i + 1 < argc && argv[i + 1][0] != '-') batches.push_back(std::atoll(argv[++i]));
     } else if (a == "--T") T = next();
     else if (a == "--H") H = next();
     else if (a == "--V") V = next();
     else if (a == "--workspace-mib") workspace = next() << 20;
     else if (a == "--reps") reps = static_cast<int>(next());
     else if (a == "--warmup") warmup = static_cast<int>(next());
-    else if (a == "--logits-k-splits") tuning.logits_k_splits = static_cast<int>(next());
+    else if (a == "--logits-k-splits") {
+      tuning = Tuning{};
+      tuning.logits_k_splits = static_cast<int>(next());
+      tuned = true;
+    } else if (a == "--promotion-k") {
+      const std::int64_t k = next();
+      const PromotedSchedule schedule = tuning.promoted;
+      tuning = Tuning{};
+      tuning.logits = Tuning::Logits::promoted;
+      tuning.promotion_k = k;
+      tuning.promoted = schedule;
+      tuned = true;
+    } else if (a == "--variant") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      tuning.promoted.variant = static_cast<int>(next());
+      tuned = true;
+    } else if (a == "--swizzle") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      tuning.promoted.swizzle = static_cast<int>(next());
+      tuned = true;
+    } else if (a == "--max-chunk-rows") max_chunk_rows = next();
     else {
       std::fprintf(stderr,
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
-                   "                  [--logits-k-splits n (default: from Options::logits_k_slice)]\n"
-                   "  default: B in {2, 16}, T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
+                   "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
+                   "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
+                   "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
     }
   }
 
-  if (tuning.logits_k_splits == 0) tuning = tuning_for(H, Options{});
+  if (!tuned) tuning = tuning_for(H, Options{});
+  const std::string logits_gemm =
+      tuning.logits == Tuning::Logits::promoted
+          ? std::string("promoted GEMM (") + promoted_variant_name(tuning.promoted.variant) + ") every " +
+                std::to_string(tuning.promotion_k) + " k, swizzle " + std::to_string(tuning.promoted.swizzle)
+          : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    std::printf("device: %s, %d SMs, %.1f GiB; T=%lld H=%lld V=%lld, workspace budget %lld MiB, logits k in %d "
-                "slice(s), %d reps (median)\n", prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
-                (long long)T, (long long)H, (long long)V, (long long)(workspace >> 20), tuning.logits_k_splits, reps);
+    std::printf("device: %s, %d SMs, %.1f GiB; T=%lld H=%lld V=%lld, workspace budget %lld MiB, logits: %s, "
+                "%d reps (median)\n", prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
+                (long long)T, (long long)H, (long long)V, (long long)(workspace >> 20), logits_gemm.c_str(), reps);
     std::printf("%4s | %9s %9s | %9s %9s | %7s %7s | %10s %10s | %s\n", "B", "floor fwd", "fused fwd", "floor full",
                 "fused full", "fwd/fl", "full/fl", "extra MiB", "(ws+acc)", "schedule");
 
@@ -178,6 +210,7 @@ int main(int argc, char** argv) {
 
       Options options;
       options.workspace_bytes = workspace;
+      options.max_chunk_rows = max_chunk_rows;
       Options forward_options = options;
       forward_options.gradients = false;
 
@@ -187,22 +220,46 @@ int main(int argc, char** argv) {
       const int fallbacks = runner.last_report().gemm_fallbacks;
       const std::int64_t extra = free_before - free_device_bytes();  // workspace + accumulator + handles
       const Timing forward = time_it(stream, warmup, reps, [&] { runner.run(problem, nullptr, forward_options, tuning); });
+      const std::string forward_schedule = runner.last_report().schedule.to_string();
 
-      // The floor: the same GEMMs through cuBLASLt with no fused work between them.
-      Timing floor_fwd, floor_full;
+      // The floor: the three GEMMs as torch runs them, cuBLAS with bf16 outputs (fp32 compute), no fused work
+      // between them; and, for reference, the same GEMMs with fp32 outputs as the backend's cuBLAS path runs them.
+      Timing floor_fwd, floor_full, f32_fwd, f32_full;
       {
         DeviceBuffer logits(N * ld_v * 4, "floor logits"), dz(N * ld_v * 2, "floor dz"),
             gx(N * ld_h * 4, "floor grad_x"), gemm_ws(std::size_t{32} << 20, "floor GEMM workspace");
-        SIMPO_CUDA_CHECK(cudaMemsetAsync(dz.get(), 0, N * ld_v * 2, stream));
         fill_uniform<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), N, V, ld_v, 1e-3f, 4);  // not zeros
         SIMPO_CUDA_CHECK_LAUNCH();
-        Gemms gemms(stream, gemm_ws.get(), gemm_ws.bytes());
-        auto logits_gemm = [&] {
-          gemms.logits(N, V, ld_h, problem.x, problem.weight, logits.as<float>(), ld_v);
+        cublasHandle_t blas;
+        SIMPO_CUBLAS_CHECK(cublasCreate(&blas));
+        SIMPO_CUBLAS_CHECK(cublasSetStream(blas, stream));
+        const float one = 1.0f, zero = 0.0f;
+        // Row-major C[m, n] = A B as column-major C^T = B^T A^T; each call says which operand is transposed.
+        auto bf16_gemm = [&](cublasOperation_t op_w, cublasOperation_t op_x, std::int64_t m, std::int64_t n,
+                             std::int64_t k, const void* A, std::int64_t lda, const void* Bm, std::int64_t ldb,
+                             void* C, std::int64_t ldc) {
+          SIMPO_CUBLAS_CHECK(cublasGemmEx(blas, op_w, op_x, int(m), int(n), int(k), &one, A, CUDA_R_16BF, int(lda), Bm,
+                                          CUDA_R_16BF, int(ldb), &zero, C, CUDA_R_16BF, int(ldc), CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT));
         };
-        floor_fwd = time_it(stream, warmup, reps, logits_gemm);
+        auto floor_logits = [&] {  // logits[N, V] = x W^T
+          bf16_gemm(CUBLAS_OP_T, CUBLAS_OP_N, V, N, ld_h, problem.weight, ld_h, problem.x, ld_h, logits.get(), ld_v);
+        };
+        floor_fwd = time_it(stream, warmup, reps, floor_logits);
         floor_full = time_it(stream, warmup, reps, [&] {
-          logits_gemm();
+          floor_logits();
+          // grad_x[N, H] = dz W
+          bf16_gemm(CUBLAS_OP_N, CUBLAS_OP_N, ld_h, N, V, problem.weight, ld_h, dz.get(), ld_v, gx.get(), ld_h);
+          // grad_W[V, H] = dz^T x
+          bf16_gemm(CUBLAS_OP_N, CUBLAS_OP_T, ld_h, V, N, problem.x, ld_h, dz.get(), ld_v, grad_weight.get(), ld_h);
+        });
+        SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+        cublasDestroy(blas);
+        Gemms gemms(stream, gemm_ws.get(), gemm_ws.bytes());
+        auto f32_logits = [&] { gemms.logits(N, V, ld_h, problem.x, problem.weight, logits.as<float>(), ld_v); };
+        f32_fwd = time_it(stream, warmup, reps, f32_logits);
+        f32_full = time_it(stream, warmup, reps, [&] {
+          f32_logits();
           gemms.grad_x(N, V, ld_h, dz.as<__nv_bfloat16>(), ld_v, problem.weight, gx.as<float>());
           gemms.accumulate_grad_weight(N, V, ld_h, dz.as<__nv_bfloat16>(), ld_v, problem.x, grad_weight.as<float>());
         });
@@ -214,9 +271,15 @@ int main(int argc, char** argv) {
                   extra / 1048576.0,
                   (std::to_string(workspace_full >> 20) + "+" + std::to_string((V * ld_h * 4) >> 20)).c_str(),
                   schedule.c_str(), fallbacks ? " (cuBLAS fallbacks!)" : "");
-      std::printf("     floor GEMM rate: fwd %.0f TFLOP/s, full %.0f TFLOP/s; fused full %.0f TFLOP/s (3 GEMMs' flops)\n",
+      std::printf("     floor (bf16 out) rate: fwd %.0f TFLOP/s, full %.0f TFLOP/s; fused full %.0f TFLOP/s (3 GEMMs' "
+                  "flops); fp32-out cuBLASLt GEMMs: fwd %.2f full %.2f ms\n",
                   flops_fwd / floor_fwd.median_ms / 1e9, 3 * flops_fwd / floor_full.median_ms / 1e9,
-                  3 * flops_fwd / full.median_ms / 1e9);
+                  3 * flops_fwd / full.median_ms / 1e9, f32_fwd.median_ms, f32_full.median_ms);
+      std::printf("     forward: %s\n", forward_schedule.c_str());
+      std::printf("JSON {\"B\": %lld, \"floor_fwd_ms\": %.4f, \"fused_fwd_ms\": %.4f, \"floor_full_ms\": %.4f, "
+                  "\"fused_full_ms\": %.4f, \"extra_mib\": %.1f, \"logits\": \"%s\", \"workspace_mib\": %lld}\n",
+                  (long long)B, floor_fwd.median_ms, forward.median_ms, floor_full.median_ms, full.median_ms,
+                  extra / 1048576.0, logits_gemm.c_str(), (long long)(workspace >> 20));
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The cuda backend's GPU session in one call, for a lent GPU machine that has no Eigen/GTest to build with:
-#   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test, cuda_bench and
-#                                                  fused_accuracy_table, a CTest file of the gpu-labelled tests and
-#                                                  libgomp into STAGE
-#   fused/cuda/bench/gpu_run.sh run STAGE           (there) ctest -L gpu, compute-sanitizer memcheck (whole
-#                                                  suite) and racecheck (small cases), fused_accuracy_table
-#                                                  --backend cuda, cuda_bench;
-#                                                  logs in $OUT
+#   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test, cuda_bench,
+#                                                  gemm_accuracy and fused_accuracy_table, a CTest file of the
+#                                                  gpu-labelled tests and libgomp into STAGE
+#   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all): gemm (gemm_accuracy: the logits
+#                                                  GEMMs' error and speed), ctest (ctest -L gpu), accuracy
+#                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
+#                                                  and its variants), sanitize (memcheck on the suite, racecheck on
+#                                                  small cases); logs in $OUT
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
   build=${2:?build folder}; stage=${3:?stage folder}
   rm -rf "$stage" && mkdir -p "$stage/lib" || exit 2
-  cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$build/fused/tests/fused_accuracy_table" "$stage/" || exit 2
+  cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$build/fused/cuda/gemm_accuracy" \
+     "$build/fused/tests/fused_accuracy_table" "$stage/" || exit 2
   # The discovered tests (add_test + LABELS gpu) with their absolute build path made relocatable; listing
   # them here (ctest -N) refreshes the discovery, which needs no GPU.
   (cd "$build/fused/cuda" && ctest -N > /dev/null) || exit 2
@@ -37,43 +39,71 @@ done
 ldd "$stage/cuda_backend_test" | grep -q "libgomp.*not found" && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$stage/lib"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 
-echo "== ctest -L gpu"
-(cd "$stage" && ctest -L gpu --output-on-failure --timeout 400) > "$OUT/ctest.log" 2>&1
-echo "ctest exit $?"; grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | head -30
+parts=${3:-gemm ctest accuracy bench sanitize}
+want() { [[ " $parts " == *" $1 "* ]]; }
+summary=()
 
-# The whole suite but the out-of-memory test, whose deliberate 1 PiB cudaMalloc memcheck counts as an API error.
-echo "== compute-sanitizer --tool memcheck, whole suite"
-compute-sanitizer --tool memcheck --error-exitcode 9 "$stage/cuda_backend_test" \
-  --gtest_filter='-CudaBackendErrors.OutOfDeviceMemoryIsAnInputErrorNamingTheBytes' > "$OUT/memcheck.log" 2>&1
-echo "memcheck exit $?"; grep -E "ERROR SUMMARY|tests ran|PASSED|FAILED" "$OUT/memcheck.log" | tail -6
+if want gemm; then
+  echo "== gemm_accuracy"
+  "$stage/gemm_accuracy" 2>&1 | tee "$OUT/gemm.log"
+  summary+=("gemm_accuracy exit ${PIPESTATUS[0]}")
+fi
 
-# racecheck sees our kernels only (kns=simpo: they all live in namespace simpo); it still runs cuBLASLt's
-# kernels, and has died inside them ("Internal Sanitizer Error ... hardware exception" in cublasLtMatmul) on
-# tests that memcheck passes cleanly, so each small test runs in its own process.
-for t in CudaBackendFeatures.Bias CudaBackendFeatures.EmptySequenceTreatedAsZero \
-         CudaBackendFeatures.OddSizesBothSchedules CudaBackendSchedules.TwoPassAgreesWithThreePass; do
-  echo "== compute-sanitizer --tool racecheck on $t"
-  compute-sanitizer --tool racecheck --kernel-name kns=simpo --error-exitcode 9 "$stage/cuda_backend_test" \
-    --gtest_filter="$t" > "$OUT/racecheck_one.log" 2>&1
-  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|Internal|PASSED|FAILED  \]" "$OUT/racecheck_one.log" | head -4
-  { echo "==== $t"; cat "$OUT/racecheck_one.log"; } >> "$OUT/racecheck.log"; rm "$OUT/racecheck_one.log"
-done
+if want ctest; then
+  echo "== ctest -L gpu"
+  (cd "$stage" && ctest -L gpu --output-on-failure --timeout 400) > "$OUT/ctest.log" 2>&1
+  rc=$?; grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | head -30
+  summary+=("ctest exit $rc: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")")
+fi
 
-# Accuracy and speed with the default logits slicing (fused::Options::logits_k_slice = 256), then without it
-# (one logits GEMM: fastest, scalars biased by the tensor cores' accumulation).
-acc="$stage/fused_accuracy_table --backend cuda --T 256 --V 32000"
-echo "== accuracy table (default slicing)"
-$acc --H 1024 2>&1 | tee "$OUT/accuracy.log"
-echo "== accuracy table at H=4096 (default slicing)"
-$acc --H 4096 --B 2 8 2>&1 | tee -a "$OUT/accuracy.log"
-echo "== accuracy table at H=4096, one logits GEMM"
-$acc --H 4096 --B 2 --logits-k-slice 0 2>&1 | tee -a "$OUT/accuracy.log"
+if want accuracy; then
+  # The default logits GEMM (promoted on sm_90), at both H, logit scales 2 and 30.
+  acc="$stage/fused_accuracy_table --backend cuda --T 256 --V 32000"
+  echo "== accuracy table, default logits GEMM"
+  $acc --H 1024 2>&1 | tee "$OUT/accuracy.log"
+  $acc --H 4096 --B 2 8 2>&1 | tee -a "$OUT/accuracy.log"
+fi
 
-echo "== cuda_bench (default slicing)"
-"$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
-for s in 1 4 8; do
-  echo "== cuda_bench, logits k in $s slice(s)"
-  "$stage/cuda_bench" --logits-k-splits $s 2>&1 | tee -a "$OUT/bench.log"
-done
-echo "== cuda_bench, 256 MiB workspace (the two_pass fallback)"
-"$stage/cuda_bench" --B 2 --workspace-mib 256 --reps 5 2>&1 | tee "$OUT/bench_small_workspace.log"
+if want bench; then
+  echo "== cuda_bench, default (B 2 4 8 16)"
+  "$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
+  # Each other promoted variant at every B (BENCH_VARIANTS, default: the split-N 128x256 tile), then the
+  # one-cuBLAS-GEMM fast mode (biased scalars) and chunks capped at 2048 rows for the forward too.
+  for v in ${BENCH_VARIANTS:-3}; do
+    echo "== cuda_bench --variant $v"
+    "$stage/cuda_bench" --variant $v 2>&1 | tee -a "$OUT/bench.log"
+  done
+  for args in "--logits-k-splits 1" "--max-chunk-rows 2048"; do
+    echo "== cuda_bench --B 2 16 $args"
+    "$stage/cuda_bench" --B 2 16 $args 2>&1 | tee -a "$OUT/bench.log"
+  done
+  echo "== cuda_bench, 256 MiB workspace (the two_pass fallback)"
+  "$stage/cuda_bench" --B 2 16 --workspace-mib 256 --reps 5 2>&1 | tee -a "$OUT/bench.log"
+  python3 "$(dirname "$0")/speed_table.py" "$OUT/bench.log" --json "$OUT/speed.json" --png "$OUT/speed.png" \
+    ${PEERS_JSON:+--peers "$PEERS_JSON"} 2>&1 | tee -a "$OUT/bench.log"
+fi
+
+if want sanitize; then
+  # The whole suite but the out-of-memory test, whose deliberate 1 PiB cudaMalloc memcheck counts as an API error.
+  echo "== compute-sanitizer --tool memcheck, whole suite"
+  timeout ${MEMCHECK_TIMEOUT:-600} compute-sanitizer --tool memcheck --error-exitcode 9 "$stage/cuda_backend_test" \
+    --gtest_filter="${MEMCHECK_FILTER:--CudaBackendErrors.OutOfDeviceMemoryIsAnInputErrorNamingTheBytes}" > "$OUT/memcheck.log" 2>&1
+  rc=$?; grep -E "ERROR SUMMARY|tests ran|PASSED|FAILED" "$OUT/memcheck.log" | tail -6
+  summary+=("memcheck exit $rc: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
+  # racecheck on small tests, each in its own process: our kernels (kns=simpo), then everything (CUTLASS and
+  # cuBLAS too), since it has died inside cublasLtMatmul before.
+  for filter in "--kernel-name kns=simpo" ""; do
+    for t in ${RACECHECK_TESTS:-CudaBackendFeatures.Bias CudaBackendFeatures.OddSizesBothSchedules CudaBackendSchedules.TwoPassAgreesWithThreePass}; do
+      echo "== compute-sanitizer --tool racecheck $filter on $t"
+      timeout 120 compute-sanitizer --tool racecheck $filter --error-exitcode 9 "$stage/cuda_backend_test" \
+        --gtest_filter="$t" > "$OUT/racecheck_one.log" 2>&1
+      rc=$?; grep -E "RACECHECK SUMMARY|Internal|PASSED|FAILED  \]" "$OUT/racecheck_one.log" | head -4
+      summary+=("racecheck '$filter' $t exit $rc: $(grep -E 'RACECHECK SUMMARY|Internal' "$OUT/racecheck_one.log" | head -1)")
+      { echo "==== $filter $t"; cat "$OUT/racecheck_one.log"; } >> "$OUT/racecheck.log"; rm "$OUT/racecheck_one.log"
+    done
+  done
+fi
+
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+[ -f "$OUT/bench.log" ] && grep -E "^ *[0-9]+ \||^device|^==" "$OUT/bench.log"

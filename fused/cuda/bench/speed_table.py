@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""The speed table of the cuda backend as JSON and a PNG plot of time against B.
+
+    speed_table.py BENCH_LOG [BENCH_LOG...] --json OUT.json [--png OUT.png] [--peers PEERS.json]
+
+BENCH_LOG: cuda_bench output; its "JSON {...}" lines (one per B: floor and fused times, extra memory, the logits
+GEMM used) are collected, the first line per (B, logits GEMM, workspace) kept. PEERS.json (optional, measured with
+torch, Liger and CCE in the same device call): {"peers": {"name": {"B": [..], "full_ms": [..], "fwd_ms": [..]}}}.
+The plot (matplotlib, present on the GPU machine) shows the fused full step and forward, the floors (bf16-output
+cuBLAS GEMMs, 3 and 1), the 1.15x / 1.10x bars and the peers' full steps.
+"""
+import argparse
+import json
+import sys
+
+
+def read_rows(paths):
+    rows, seen = [], set()
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if not line.startswith("JSON "):
+                    continue
+                row = json.loads(line[5:])
+                key = (row["B"], row["logits"], row["workspace_mib"])
+                if key not in seen:
+                    seen.add(key)
+                    rows.append(row)
+    for row in rows:
+        row["fwd_over_floor"] = row["fused_fwd_ms"] / row["floor_fwd_ms"]
+        row["full_over_floor"] = row["fused_full_ms"] / row["floor_full_ms"]
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("logs", nargs="+")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--png")
+    ap.add_argument("--peers")
+    args = ap.parse_args()
+    rows = read_rows(args.logs)
+    if not rows:
+        print("speed_table.py: no JSON lines in " + ", ".join(args.logs), file=sys.stderr)
+        return 2
+    peers = {}
+    if args.peers:
+        with open(args.peers) as f:
+            peers = json.load(f).get("peers", {})
+    with open(args.json, "w") as f:
+        json.dump({"rows": rows, "peers": peers}, f, indent=1)
+    if args.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        default = sorted((r for r in rows if r["workspace_mib"] == max(x["workspace_mib"] for x in rows)),
+                         key=lambda r: r["B"])
+        # The most common logits GEMM among the rows over all B is the default run's.
+        name = max({r["logits"] for r in default}, key=lambda n: sum(r["logits"] == n for r in default))
+        default = [r for r in default if r["logits"] == name]
+        B = [r["B"] for r in default]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.plot(B, [r["fused_full_ms"] for r in default], "o-", label="fused full step (" + name + ")")
+        ax.plot(B, [r["floor_full_ms"] for r in default], "k--", label="floor: 3 bf16 cuBLAS GEMMs")
+        ax.plot(B, [1.15 * r["floor_full_ms"] for r in default], "k:", label="bar: 1.15x floor")
+        ax.plot(B, [r["fused_fwd_ms"] for r in default], "s-", label="fused forward")
+        ax.plot(B, [r["floor_fwd_ms"] for r in default], "--", color="gray", label="floor: 1 GEMM")
+        for peer, p in peers.items():
+            ax.plot(p["B"], p["full_ms"], "^-", alpha=0.7, label=peer + " full step")
+        ax.set_xlabel("B (sequences of T=1024; H=4096, V=128256)")
+        ax.set_ylabel("ms (median)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(B, [str(b) for b in B])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+    for r in rows:
+        print("B=%-3d %-48s ws %5d MiB | fwd %7.2f / %7.2f = %.3f | full %7.2f / %7.2f = %.3f | extra %.0f MiB" % (
+            r["B"], r["logits"], r["workspace_mib"], r["fused_fwd_ms"], r["floor_fwd_ms"], r["fwd_over_floor"],
+            r["fused_full_ms"], r["floor_full_ms"], r["full_over_floor"], r["extra_mib"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

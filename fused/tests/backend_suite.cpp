@@ -1,0 +1,252 @@
+// The suite every fused backend must pass: against the float64 reference on every SPEC feature at the issue's
+// accuracy bar (each gradient within 1.5x its bf16 floor; loss, nll and logps within 5e-7 relative), and
+// against itself across chunk schedules. Built once per backend: into fused_cpu_tests (suites CpuBackend*) and,
+// with SIMPO_SUITE_CUDA=1, into cuda_backend_test (suites CudaBackend*, ctest label gpu), where every test
+// skips with a message on a machine without a CUDA device. Backend-specific tests live beside it.
+#include "fused/schedule.h"
+#include "fused/tests/backend_suite.h"
+
+#include <gtest/gtest.h>
+
+namespace simpo::fused {
+namespace {
+
+using namespace suite;
+
+#if SIMPO_SUITE_CUDA
+constexpr Backend kBackend = Backend::cuda;
+#define SIMPO_SUITE(name) CudaBackend##name
+#else
+constexpr Backend kBackend = Backend::cpu;
+#define SIMPO_SUITE(name) CpuBackend##name
+#endif
+
+// The backend under test, or a skip saying why it cannot run here.
+#define SKIP_WITHOUT_BACKEND()                                                                              \
+  do {                                                                                                       \
+    if (kBackend == Backend::cuda && !cuda_available())                                                      \
+      GTEST_SKIP() << "no CUDA device on this machine (or a build without CUDA): the cuda backend's suite " \
+                      "runs on a GPU machine (ctest -L gpu)";                                                \
+  } while (0)
+
+Options backend_options() { return options_for(kBackend); }
+
+// ---- the bar on shapes big enough for the Frobenius statistic to be stable (N*H and V*H >= 1e5) ----
+
+const Shape bar_shape{.B = 4, .T = 128, .H = 256, .V = 512};
+
+TEST(SIMPO_SUITE(Accuracy), RealisticLogitsMeetTheBar) {
+  SKIP_WITHOUT_BACKEND();
+  check_case(spec_of(bar_shape, 2.0, 11), backend_options());
+}
+
+TEST(SIMPO_SUITE(Accuracy), LargeLogitsMeetTheBar) {
+  SKIP_WITHOUT_BACKEND();
+  check_case(spec_of(bar_shape, 30.0, 12), backend_options());
+}
+
+TEST(SIMPO_SUITE(Accuracy), EveryFeatureAtOnceMeetsTheBar) {
+  SKIP_WITHOUT_BACKEND();
+  for (double scale : {2.0, 30.0}) {
+    SCOPED_TRACE("logit scale " + std::to_string(scale));
+    CaseSpec spec = spec_of(bar_shape, scale, 13);
+    spec.bias = true;
+    spec.ignore = IgnorePattern::random;
+    spec.hp.label_smoothing = 0.2;
+    spec.hp.grad_scale = 0.37;
+    spec.hp.ignore_index = 7;  // inside [0, V): target 7 means "ignored"
+    spec.hp.beta = 2.0;
+    spec.hp.gamma = -0.3;
+    spec.hp.alpha = 0.6;
+    Options options = backend_options();
+    options.max_chunk_rows = 3 * 128 + 5;  // three_pass, one pair per chunk
+    check_case(spec, options);
+  }
+}
+
+// A vocabulary in the tens of thousands, not a multiple of 4 or 8: many vector steps per row, per-row sums of
+// 50k exponentials, and (cuda, sm_90) the promoted GEMM's cuBLAS tail columns.
+TEST(SIMPO_SUITE(Accuracy), LargeVocabularyMeetsTheBar) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of({.B = 2, .T = 64, .H = 128, .V = 50007}, 2.0, 14);
+  spec.bias = true;
+  check_case(spec, backend_options());
+}
+
+// ---- SPEC features one at a time, smaller shapes ----
+
+const Shape feature_shape{.B = 4, .T = 64, .H = 96, .V = 300};
+
+TEST(SIMPO_SUITE(Features), Bias) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 21);
+  spec.bias = true;
+  check_case(spec, backend_options());
+}
+
+TEST(SIMPO_SUITE(Features), LabelSmoothing) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 22);
+  spec.hp.label_smoothing = 0.5;
+  check_case(spec, backend_options());
+}
+
+TEST(SIMPO_SUITE(Features), NllOffGivesZeroNll) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 23);
+  spec.hp.compute_nll_loss = false;
+  spec.hp.alpha = 3.0;  // must not matter
+  const TensorMap out = check_case(spec, backend_options());
+  EXPECT_EQ(out.at(output_name::nll_loss).value(0), 0.0);
+}
+
+TEST(SIMPO_SUITE(Features), AlphaZero) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 24);
+  spec.hp.alpha = 0.0;
+  check_case(spec, backend_options());
+}
+
+TEST(SIMPO_SUITE(Features), CustomIgnoreIndex) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 25);
+  spec.hp.ignore_index = -1;
+  spec.ignore = IgnorePattern::random;
+  check_case(spec, backend_options());
+}
+
+TEST(SIMPO_SUITE(Features), GradScale) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 26);
+  spec.hp.grad_scale = -2.5;
+  check_case(spec, backend_options());
+}
+
+TEST(SIMPO_SUITE(Features), AllButOneTokenIgnored) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 27);
+  spec.ignore = IgnorePattern::all_but_one;
+  check_case(spec, backend_options());
+}
+
+TEST(SIMPO_SUITE(Features), EmptySequenceTreatedAsZero) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 28);
+  spec.ignore = IgnorePattern::empty_sequence;
+  spec.hp.empty_sequence = EmptySequence::zero;
+  check_case(spec, backend_options());
+}
+
+TEST(SIMPO_SUITE(Features), EmptySequenceIsAnErrorByDefault) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 28);
+  spec.ignore = IgnorePattern::empty_sequence;
+  EXPECT_THROW(compute(generate(spec), backend_options()), InputError);
+}
+
+TEST(SIMPO_SUITE(Features), ForwardOnlyHasNoGradientsAndTheSameForward) {
+  SKIP_WITHOUT_BACKEND();
+  const CaseSpec spec = spec_of(feature_shape, 2.0, 29);
+  Options forward = backend_options();
+  forward.gradients = false;
+  const TensorMap fwd = check_case(spec, forward);
+  const TensorMap full = compute(generate(spec), backend_options());
+  // Forward-only uses bigger chunks (no dz or grad_x per row): the same forward up to fp32 noise.
+  expect_same_to_fp32_noise(fwd, full);  // fwd has no gradients to compare
+}
+
+TEST(SIMPO_SUITE(Features), GradWeightF32RoundsToTheBf16Output) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 30);
+  spec.bias = true;
+  Options f32 = backend_options();
+  f32.grad_weight_f32 = true;
+  const TensorMap wide = check_case(spec, f32);
+  const TensorMap narrow = compute(generate(spec), backend_options());
+  // Both are one fp32 accumulator rounded once, so rounding the F32 one must give the bf16 one: bitwise on the
+  // cpu; on cuda up to the run-to-run order of the fp32 atomics of the target term, which may move a value
+  // across a rounding boundary (at most 1 in 1000 elements).
+  for (const char* name : {output_name::grad_weight, output_name::grad_bias}) {
+    const auto a = wide.at(name).as<float>();
+    const auto b = narrow.at(name).as<bf16>();
+    ASSERT_EQ(a.size(), b.size());
+    std::size_t mismatches = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) mismatches += bf16(a[i]) != b[i];
+    EXPECT_LE(mismatches, kBackend == Backend::cuda ? a.size() / 1000 : 0) << name;
+  }
+}
+
+TEST(SIMPO_SUITE(Features), OddSizesBothSchedules) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of({.B = 6, .T = 37, .H = 31, .V = 123}, 2.0, 31);
+  spec.bias = true;
+  spec.hp.label_smoothing = 0.1;
+  for (std::int64_t rows : {0, 1, 50, 73, 74, 75, 111, 149}) {  // 2T = 74: below it two_pass, from it three_pass
+    SCOPED_TRACE("max_chunk_rows " + std::to_string(rows));
+    Options options = backend_options();
+    options.max_chunk_rows = rows;
+    check_case(spec, options);
+  }
+}
+
+TEST(SIMPO_SUITE(Features), IgnoredRowsOfGradXAreExactlyZero) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 32);
+  spec.ignore = IgnorePattern::random;
+  const Problem problem = generate(spec);
+  Options options = backend_options();
+  options.max_chunk_rows = 50;
+  const TensorMap out = compute(problem, options);  // held: as<bf16>() is a view into it
+  const auto grad_x = out.at(output_name::grad_x).as<bf16>();
+  std::int64_t ignored = 0;
+  for (std::int64_t b = 0; b < problem.shape.B; ++b)
+    for (std::int64_t t = 0; t < problem.shape.T; ++t) {
+      if (problem.is_completion(b, t)) continue;
+      ++ignored;
+      for (std::int64_t h = 0; h < problem.shape.H; ++h)
+        ASSERT_EQ(static_cast<float>(grad_x[static_cast<std::size_t>((b * problem.shape.T + t) * problem.shape.H + h)]),
+                  0.f);
+    }
+  EXPECT_GT(ignored, 0);
+}
+
+// ---- schedules: one result up to fp32 noise ----
+
+TEST(SIMPO_SUITE(Schedules), TwoPassAgreesWithThreePass) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of({.B = 4, .T = 50, .H = 48, .V = 200}, 30.0, 42);
+  spec.hp.label_smoothing = 0.25;
+  const Problem problem = generate(spec);
+  Options three = backend_options(), two = backend_options();
+  three.max_chunk_rows = 100;  // one pair per chunk
+  two.max_chunk_rows = 99;     // one row short of a pair: the fallback
+  ASSERT_EQ(plan(problem.shape, three).mode, Mode::three_pass);
+  ASSERT_EQ(plan(problem.shape, two).mode, Mode::two_pass);
+  const TensorMap exact = reference::compute(problem);
+  expect_same_to_fp32_noise(compute(problem, two), compute(problem, three), &exact);
+}
+
+TEST(SIMPO_SUITE(Schedules), TooSmallABudgetIsAnInputErrorNamingTheBytes) {
+  SKIP_WITHOUT_BACKEND();
+  const Problem problem = generate(spec_of({.B = 2, .T = 4, .H = 8, .V = 1000}, 2.0, 43));
+  Options options = backend_options();
+  options.workspace_bytes = 1000;
+  try {
+    compute(problem, options);
+    FAIL() << "no error";
+  } catch (const InputError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("1000 bytes"), std::string::npos) << message;
+    EXPECT_NE(message.find("cannot hold one token row"), std::string::npos) << message;
+  }
+}
+
+TEST(SIMPO_SUITE(Errors), InvalidProblemsAreInputErrors) {
+  SKIP_WITHOUT_BACKEND();
+  Problem problem = generate(spec_of({.B = 2, .T = 4, .H = 8, .V = 16}, 2.0, 48));
+  problem.target[3] = 16;  // outside [0, V)
+  EXPECT_THROW(compute(problem, backend_options()), InputError);
+}
+
+}  // namespace
+}  // namespace simpo::fused
