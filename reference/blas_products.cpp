@@ -33,9 +33,9 @@ void grad_x(const double* dz, const double* w, double* grad_x, std::int64_t rows
 }
 
 void accumulate_grad_weight(const double* dz, const double* x, double* grad_w, std::int64_t rows, std::int64_t V,
-                            std::int64_t H) {
+                            std::int64_t H, bool overwrite) {
   const blasint m = dimension(V, "V"), n = dimension(H, "H"), k = dimension(rows, "rows");
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0, dz, m, x, n, 1.0, grad_w, n);
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0, dz, m, x, n, overwrite ? 0.0 : 1.0, grad_w, n);
 }
 
 std::string description() {

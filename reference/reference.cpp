@@ -196,7 +196,9 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
   // Without gradients these views are empty and never touched.
   MatrixView grad_x(gradients.x.data(), options.gradients ? N : 0, H);
   MatrixView grad_weight(gradients.weight.data(), options.gradients ? V : 0, H);
-  grad_weight.setZero();
+  // The reproducible products add into grad_weight; the BLAS path overwrites it with its first piece instead.
+  if (options.reproducible) grad_weight.setZero();
+  bool grad_weight_written = false;
   std::fill(gradients.bias.begin(), gradients.bias.end(), 0.0);
 
   // Progress counts row-GEMMs: every row goes through the logits GEMM, with gradients two more, and a third when
@@ -271,7 +273,9 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
       reproducible::accumulate_grad_weight(dz.data(), x.data() + piece.row * H, grad_weight.data(), piece.rows, V, H);
     } else {
       blas::grad_x(dz.data(), weight.data(), &grad_x(piece.row, 0), piece.rows, V, H);
-      blas::accumulate_grad_weight(dz.data(), x.data() + piece.row * H, grad_weight.data(), piece.rows, V, H);
+      blas::accumulate_grad_weight(dz.data(), x.data() + piece.row * H, grad_weight.data(), piece.rows, V, H,
+                                   !grad_weight_written);
+      grad_weight_written = true;
     }
     if (has_bias) {
       // Column sums of a row-major block: each thread owns a band of columns and walks the rows in order.
