@@ -1,0 +1,91 @@
+"""The fused cuda backend on CUDA tensors, with no copy through the host (python/src/device_compute.h).
+
+Any DLPack CUDA array is viewed as a torch tensor (no copy); the gradients are allocated by torch's caching
+allocator on the inputs' device, and the call is ordered on torch's current stream.
+"""
+
+from __future__ import annotations
+
+from . import _core
+from ._arrays import InputError
+
+# Device memory the last call held outside torch's allocator (the runner's workspace, kept between calls, and
+# this call's fp32 accumulators / padded copies): the benchmark adds it to torch's peak.
+last_info = {"workspace_bytes": 0, "extra_device_bytes": 0}
+
+
+def _shape_error(a_name, a, b_name, b, what):
+    return InputError(
+        f"shapes disagree: {a_name} {list(a.shape)} and {b_name} {list(b.shape)} ({what})")
+
+
+def check_tensors(x, weight, target, bias):
+    """SPEC's dtypes and shapes for torch tensors, with the C++ layer's wording; returns (B, T, H, V)."""
+    import torch
+
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != torch.bfloat16:
+            raise InputError(
+                f"{name} is {t.dtype}, SPEC says bfloat16: the fused kernel reads bf16 operands, and converting "
+                f"would change the problem (the result would be judged against the rounded inputs)")
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise InputError(f"target is {target.dtype}, SPEC says int64")
+    if x.dim() != 3:
+        raise InputError(f"x has shape {list(x.shape)}, SPEC says rank 3 [B, T, H]")
+    if weight.dim() != 2:
+        raise InputError(f"weight has shape {list(weight.shape)}, SPEC says rank 2 [V, H]")
+    if target.dim() != 2:
+        raise InputError(f"target has shape {list(target.shape)}, SPEC says rank 2 [B, T]")
+    B, T, H = x.shape
+    V = weight.shape[0]
+    if weight.shape[1] != H:
+        raise _shape_error("x", x, "weight", weight, "H must match")
+    if tuple(target.shape) != (B, T):
+        raise _shape_error("x", x, "target", target, "B and T must match")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != V):
+        raise _shape_error("weight", weight, "bias", bias, "V must match")
+    devices = {t.device for t in (x, weight, target, bias) if t is not None}
+    if len(devices) != 1:
+        raise InputError(f"inputs on different devices: {sorted(str(d) for d in devices)}")
+    return B, T, H, V
+
+
+def compute(x, weight, target, bias, meta, *, gradients=True, grad_f32=False, validate=True,
+            workspace_bytes, max_chunk_rows=0):
+    """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors."""
+    import torch
+
+    if not _core.has_device_entry():
+        raise InputError("inputs on a CUDA device, but this simpo_verify was built without the cuda backend "
+                         "(no nvcc at build time): move them to the host, or rebuild where nvcc is installed")
+    B, T, H, V = check_tensors(x, weight, target, bias)
+    dev = x.device
+    x, weight = x.detach().contiguous(), weight.detach().contiguous()
+    target = target.detach().to(torch.int64).contiguous()
+    bias = bias.detach().contiguous() if bias is not None else None
+    gdtype = torch.float32 if grad_f32 else torch.bfloat16
+    grad_x = grad_w = grad_b = None
+    if gradients:
+        grad_x = torch.empty((B, T, H), dtype=torch.bfloat16, device=dev)
+        grad_w = torch.empty((V, H), dtype=gdtype, device=dev)
+        grad_b = torch.empty((V,), dtype=gdtype, device=dev) if bias is not None else None
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        r = _core.compute_device({
+            "B": B, "T": T, "H": H, "V": V, "device": dev.index if dev.index is not None else torch.cuda.current_device(),
+            "stream": stream, "x": ptr(x), "weight": ptr(weight), "bias": ptr(bias), "target": ptr(target),
+            "grad_x": ptr(grad_x), "grad_weight": ptr(grad_w), "grad_bias": ptr(grad_b), "metadata": meta,
+            "gradients": gradients, "grad_f32": grad_f32, "validate": validate,
+            "workspace_bytes": workspace_bytes, "max_chunk_rows": max_chunk_rows,
+        })
+    from ._arrays import from_wire
+
+    out = {name: from_wire(w, like=x) for name, w in r["outputs"].items()}
+    if gradients:
+        out["grad_x"] = grad_x
+        out["grad_weight"] = grad_w
+        if grad_b is not None:
+            out["grad_bias"] = grad_b
+    last_info.update(workspace_bytes=r["workspace_bytes"], extra_device_bytes=r["extra_device_bytes"])
+    return out, dict(last_info)

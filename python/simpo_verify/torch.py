@@ -1,0 +1,126 @@
+"""simpo_verify.torch: the fused linear + SimPO loss as a drop-in for Liger-Kernel's LigerFusedLinearSimPOLoss.
+
+    loss_fn = FusedLinearSimPOLoss(beta=0.1, gamma=0.5)          # Liger's constructor arguments
+    loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean,
+           nll_loss, chosen_rewards, rejected_rewards) = loss_fn(lm_head.weight, hidden, target, lm_head.bias)
+    loss.backward()
+
+Backends: CUDA tensors run the fused cuda backend on the device, ordered on torch's current stream, with no copy
+through the host (the targets, B*T int64, are read by the host for validation and the per-sequence math); CPU
+tensors run the fused cpu backend. Gradients come from autograd: the forward computes them (3 GEMMs, as Liger
+does) when any input requires grad, and backward hands them over scaled by grad_output, which is SPEC's
+grad_scale: for grad_output == 1 (loss.backward()) the saved gradients are returned as computed; any other
+grad_output reruns the kernel with grad_scale = grad_output, so the result is SPEC's for that scale and never a
+bf16 gradient rounded a second time.
+
+Dtype policy: x, weight and bias must be torch.bfloat16: anything else (float32 in particular) is a TypeError
+naming the dtype, never converted, because rounding float32 inputs to bf16 changes the problem and the result
+would not be the float32 function's within any bar. target may be any integer dtype (widened to int64, exact).
+Gradients are bf16 (SPEC's fused outputs); the loss and auxiliary outputs are float32 tensors on the inputs'
+device. Invalid inputs (SPEC's edge-case table: an empty sequence, a target out of range, NaN inputs, ...)
+raise simpo_verify.InputError (a ValueError) with SPEC's message, where Liger returns NaN.
+
+`compiled` and `chunk_size` are accepted for Liger compatibility and have no effect: the kernel is compiled
+ahead of time and picks its own chunks from its workspace budget (SPEC: chunking never changes the result
+beyond fp32 noise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import DEFAULT_WORKSPACE_BYTES, _device, compute as _compute
+from ._arrays import InputError, metadata
+
+__all__ = ["FusedLinearSimPOLoss", "fused_linear_simpo", "InputError"]
+
+
+def _run(_input, weight, target, bias, hp, gradients, workspace_bytes):
+    """-> dict of SPEC outputs as torch tensors on the inputs' device."""
+    if _input.is_cuda:
+        out, _ = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients,
+                                 workspace_bytes=workspace_bytes)
+        return out
+    _device.check_tensors(_input, weight, target, bias)
+    return _compute(_input.detach(), weight.detach(), target.detach(),
+                    bias.detach() if bias is not None else None, impl="cpu", gradients=gradients,
+                    workspace_bytes=workspace_bytes, **hp)
+
+
+class _FusedLinearSimPOFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, _input, weight, target, bias, hp, workspace_bytes):
+        try:
+            _device.check_tensors(_input, weight, target, bias)
+        except InputError as e:
+            if "SPEC says bfloat16" in str(e):
+                raise TypeError(f"simpo_verify.torch: {e}") from None
+            raise
+        gradients = any(ctx.needs_input_grad[i] for i in (0, 1, 3))
+        out = _run(_input, weight, target, bias, hp, gradients, workspace_bytes)
+        ctx.hp, ctx.workspace_bytes = hp, workspace_bytes
+        ctx.has_bias = bias is not None
+        if gradients:
+            ctx.save_for_backward(_input, weight, target, bias, out["grad_x"], out["grad_weight"],
+                                  out.get("grad_bias"))
+        aux = tuple(out[k] for k in ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean",
+                                     "nll_loss", "chosen_rewards", "rejected_rewards"))
+        ctx.mark_non_differentiable(*aux)
+        return (out["loss"],) + aux
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_aux_grads):
+        _input, weight, target, bias, grad_x, grad_weight, grad_bias = ctx.saved_tensors
+        scale = float(grad_loss)  # one scalar read; the forward already synchronized
+        if scale != 1.0:  # SPEC's grad_scale: recompute rather than round bf16 gradients twice
+            hp = dict(ctx.hp)
+            hp["grad_scale"] = hp.get("grad_scale", 1.0) * scale
+            out = _run(_input, weight, target, bias, hp, True, ctx.workspace_bytes)
+            grad_x, grad_weight, grad_bias = out["grad_x"], out["grad_weight"], out.get("grad_bias")
+        return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None, None,
+                grad_bias if ctx.has_bias and ctx.needs_input_grad[3] else None, None, None)
+
+
+def _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence):
+    return {"ignore_index": int(ignore_index), "beta": float(beta), "alpha": float(alpha),
+            "label_smoothing": float(label_smoothing), "compute_nll_loss": bool(compute_nll_loss),
+            "gamma": float(gamma), "empty_sequence": empty_sequence}
+
+
+def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0,
+                       label_smoothing=0.0, compute_nll_loss=False, compiled=True, gamma=0.5, chunk_size=1, *,
+                       empty_sequence="error", workspace_bytes=DEFAULT_WORKSPACE_BYTES):
+    """Liger's liger_fused_linear_simpo (LigerFusedLinearSimPOFunction.apply), same positional arguments and
+    defaults (compute_nll_loss defaults to False there, unlike the module). Returns
+    (loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards,
+    rejected_rewards)). Keyword-only extras: empty_sequence ("error", SPEC's default, or "zero": a sequence
+    with no completion token averages to 0 with no gradient) and workspace_bytes (the kernel's scratch budget)."""
+    del compiled, chunk_size  # Liger's knobs: no meaning here (module docstring)
+    hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
+    loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes)
+    return loss, tuple(aux)
+
+
+class FusedLinearSimPOLoss(torch.nn.Module):
+    """Liger-Kernel's LigerFusedLinearSimPOLoss, on this project's fused kernel (module docstring)."""
+
+    def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
+                 compute_nll_loss: bool = True, compiled: bool = True, gamma: float = 0.5, chunk_size: int = 1, *,
+                 empty_sequence: str = "error", workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.beta = beta
+        self.alpha = alpha
+        self.label_smoothing = label_smoothing
+        self.compute_nll_loss = compute_nll_loss
+        self.compiled = compiled
+        self.gamma = gamma
+        self.chunk_size = chunk_size
+        self.empty_sequence = empty_sequence
+        self.workspace_bytes = workspace_bytes
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return fused_linear_simpo(_input, lin_weight, target, bias, self.ignore_index, self.beta, self.alpha,
+                                  self.label_smoothing, self.compute_nll_loss, self.compiled, self.gamma,
+                                  self.chunk_size, empty_sequence=self.empty_sequence,
+                                  workspace_bytes=self.workspace_bytes)

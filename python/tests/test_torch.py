@@ -1,0 +1,85 @@
+"""simpo_verify.torch: the Liger-compatible module. Needs torch (skipped, with this reason, where it is absent)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed here: the torch module's tests run where it is "
+                                             "(the device run in python/README.md)")
+
+import simpo_verify as sv  # noqa: E402
+from simpo_verify.torch import FusedLinearSimPOLoss, fused_linear_simpo  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and sv.cuda_available() else [])
+
+
+def make(device, B=4, T=8, H=32, V=48, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 2).to(torch.bfloat16).to(device)
+    b = (torch.randn(V, generator=g) * 0.5).to(torch.bfloat16).to(device) if bias else None
+    t = torch.randint(0, V, (B, T), generator=g).to(device)
+    t[:, :2] = -100
+    return x, w, t, b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_outputs_and_gradients_pass_strict(device):
+    x, w, t, b = make(device)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    b.requires_grad_(True)
+    loss, aux = FusedLinearSimPOLoss(beta=0.2, gamma=0.3)(w, x, t, b)
+    assert len(aux) == 7 and loss.device.type == device and loss.dtype == torch.float32
+    loss.backward()
+    names = ["chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss",
+             "chosen_rewards", "rejected_rewards"]
+    candidate = dict(zip(names, aux), loss=loss, grad_x=x.grad, grad_weight=w.grad, grad_bias=b.grad)
+    inputs = {"x": x.detach(), "weight": w.detach(), "target": t, "bias": b.detach(), "beta": 0.2, "gamma": 0.3}
+    r = sv.check(inputs, candidate)
+    assert r.passed, str(r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_output_is_grad_scale(device):
+    x, w, t, _ = make(device, bias=False)
+    x1 = x.clone().requires_grad_(True)
+    loss, _ = fused_linear_simpo(x1, w, t, compute_nll_loss=True)
+    (loss * -2.5).backward()
+    exact = sv.compute(x.cpu(), w.cpu(), t.cpu(), impl="reference", grad_scale=-2.5)
+    got = x1.grad.float().cpu().numpy()
+    rel = np.linalg.norm(got - exact["grad_x"].numpy()) / np.linalg.norm(exact["grad_x"].numpy())
+    assert rel < 4e-3  # a bf16 gradient of the scaled loss (twice the bf16 floor of ~1.7e-3 at most)
+
+
+def test_liger_defaults_and_signature():
+    m = FusedLinearSimPOLoss()
+    assert (m.ignore_index, m.beta, m.alpha, m.label_smoothing, m.compute_nll_loss, m.gamma) == (-100, 0.1, 1.0, 0.0,
+                                                                                                True, 0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_is_a_type_error_naming_the_dtype(device):
+    x, w, t, _ = make(device, bias=False)
+    with pytest.raises(TypeError, match="float32"):
+        FusedLinearSimPOLoss()(w.float(), x, t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_spec_errors_not_nan(device):
+    x, w, t, _ = make(device, bias=False)
+    t[0, :] = -100
+    with pytest.raises(sv.InputError, match="no completion token"):
+        FusedLinearSimPOLoss()(w, x, t)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or no cuda backend in this build")
+def test_cuda_tensors_stay_on_device_and_compute_matches_host():
+    x, w, t, b = make("cuda", H=37)  # H not a multiple of 8: the padded-copy path
+    out = sv.compute(x, w, t, b)
+    assert out["grad_x"].is_cuda and out["loss"].is_cuda
+    host = sv.compute(x.cpu(), w.cpu(), t.cpu(), b.cpu(), impl="cuda")
+    assert torch.equal(out["grad_weight"].cpu(), host["grad_weight"])
+    x2 = x.clone()
+    x2[0, 1, 2] = float("inf")
+    with pytest.raises(sv.InputError, match=r"non-finite input: x\(0, 1, 2\)"):
+        sv.compute(x2, w, t, b)

@@ -1,0 +1,181 @@
+"""One process times ours (through simpo_verify.torch, its Python and autograd overhead included), torch eager
+(TRL), Liger and CCE on the published workload (T=1024, H=4096, V=128256, bf16, no bias, every token a completion
+token) at B = 2, 4, 8, 16, with the cuBLAS GEMM floor measured in the same process, and writes the peers JSON
+(schema in python/README.md, "peers.json").
+
+    python3 bench_peers.py OUT.json [--batches 2,4,8,16] [--reps 5] [--impls ours,torch_eager,liger,cce]
+
+fwd: the loss alone (no autograd graph: torch.no_grad for the peers, no input requiring grad for ours).
+full: forward + loss.backward(): every gradient, as one training step needs. Times are medians of --reps runs
+after one warm-up, CUDA events on the current stream. extra_mib: peak device memory above the steady state
+(inputs, and for full the gradient buffers, already allocated), from torch's allocator, plus for ours the
+memory its kernel holds outside torch's allocator (workspace and fp32 accumulators: simpo_verify._device).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from peers import PEERS, _simpo_terms  # noqa: E402,F401
+
+T, H, V = 1024, 4096, 128256
+HP = dict(beta=0.1, gamma=0.5, alpha=1.0, label_smoothing=0.0, compute_nll_loss=True, ignore_index=-100,
+          grad_scale=1.0, empty_sequence="error")
+
+
+def timed(fn, reps):
+    times = []
+    for i in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i:  # the first is the warm-up
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def loss_fn(name):
+    """-> f(x, w, t) returning the loss (a graph when x, w require grad)."""
+    hp = {k: v for k, v in HP.items() if k != "grad_scale"}
+    if name == "ours":
+        from simpo_verify.torch import FusedLinearSimPOLoss
+
+        m = FusedLinearSimPOLoss()
+        return lambda x, w, t: m(w, x, t)[0]
+    if name == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearSimPOLoss
+
+        m = LigerFusedLinearSimPOLoss()
+        return lambda x, w, t: m(w, x, t)[0]
+    if name in ("torch_eager", "cce", "cce_exact"):
+        peer = PEERS[name]
+
+        def f(x, w, t):  # the peers' own graph, without the harness's cloning and backward
+            import peers
+
+            if name == "torch_eager":
+                P = x.shape[0] // 2
+                all_logits = (x @ w.t()).float()
+                nll = torch.nn.functional.cross_entropy(all_logits[:P].reshape(-1, V), t[:P].reshape(-1))
+                mask = t != -100
+                per_token = torch.gather(all_logits.log_softmax(-1), 2, torch.where(mask, t, 0).unsqueeze(2)).squeeze(2)
+                logps = (per_token * mask).sum(-1) / mask.sum(-1)
+                return nll + _simpo_terms(logps[:P], logps[P:], 0.1, 0.5, 0.0)
+            from cut_cross_entropy import linear_cross_entropy
+
+            P = x.shape[0] // 2
+            kw = {} if name == "cce" else {"filter_eps": None}
+            tl = linear_cross_entropy(x, w, t, reduction="none", **kw).float()
+            mask = (t != -100).float()
+            logps = -(tl * mask).sum(-1) / mask.sum(-1)
+            nll = (tl[:P] * mask[:P]).sum() / mask[:P].sum()
+            return nll + _simpo_terms(logps[:P], logps[P:], 0.1, 0.5, 0.0)
+
+        del peer, hp
+        return f
+    raise ValueError(name)
+
+
+def gemm_floor(x, w, reps):
+    N = x.shape[0] * x.shape[1]
+    x2 = x.reshape(N, H)
+    dz = torch.randn(N, V, device="cuda").to(torch.bfloat16)
+    fwd = timed(lambda: torch.mm(x2, w.t()), reps)
+    full = fwd + timed(lambda: torch.mm(dz, w), reps) + timed(lambda: torch.mm(dz.t(), x2), reps)
+    del dz
+    return fwd, full
+
+
+def main():
+    a = argparse.ArgumentParser()
+    a.add_argument("out")
+    a.add_argument("--batches", default="2,4,8,16")
+    a.add_argument("--reps", type=int, default=5)
+    a.add_argument("--impls", default="ours,torch_eager,liger,cce")
+    a.add_argument("--budget", type=float, default=0, help="stop starting new rows after this many seconds")
+    args = a.parse_args()
+    impls = args.impls.split(",")
+    t_start = time.time()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(torch.bfloat16)
+    result = {
+        "schema": "simpo-verify peers benchmark v1 (python/README.md)",
+        "workload": {"T": T, "H": H, "V": V, "dtype": "bf16", "bias": False, "ignore": "none",
+                     "hyperparameters": HP},
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "command": "python3 python/tools/bench_peers.py " + " ".join(sys.argv[1:]),
+        "reps": args.reps, "units": {"time": "ms (median)", "memory": "MiB"},
+        "rows": [],
+    }
+    for B in [int(b) for b in args.batches.split(",")]:
+        if args.budget and time.time() - t_start > args.budget:
+            break
+        x = torch.randn(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+        t = torch.randint(0, V, (B, T), device="cuda", generator=g)
+        floor_fwd, floor_full = gemm_floor(x, w, args.reps)
+        row = {"B": B, "floor_fwd_ms": floor_fwd, "floor_full_ms": floor_full, "impls": {}}
+        for name in impls:
+            try:
+                f = loss_fn(name)
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                with torch.no_grad():
+                    f(x, w, t)  # compile / autotune outside the timings
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                with torch.no_grad():
+                    fwd = timed(lambda: f(x, w, t), args.reps)
+                fwd_extra = torch.cuda.max_memory_allocated() - base
+                from simpo_verify import _device
+
+                outside_fwd = _device.last_info["workspace_bytes"] if name == "ours" else 0
+                xg = x.detach().requires_grad_(True)
+                wg = w.detach().requires_grad_(True)
+                xg.grad = torch.zeros_like(xg)  # the steady state holds the gradients
+                wg.grad = torch.zeros_like(wg)
+
+                def step():
+                    xg.grad, wg.grad = None, None
+                    f(xg, wg, t).backward()
+
+                step()
+                xg.grad, wg.grad = torch.zeros_like(xg), torch.zeros_like(wg)
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                full = timed(step, args.reps)
+                # step() frees the old gradients before making new ones: its peak minus the steady state is extra
+                full_extra = torch.cuda.max_memory_allocated() - base
+                outside_full = (_device.last_info["workspace_bytes"] + _device.last_info["extra_device_bytes"]
+                                if name == "ours" else 0)
+                row["impls"][name] = {"fwd_ms": fwd, "full_ms": full,
+                                      "fwd_extra_mib": (fwd_extra + outside_fwd) / 2**20,
+                                      "full_extra_mib": (full_extra + outside_full) / 2**20}
+                del xg, wg
+            except Exception as e:
+                row["impls"][name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"B={B} {name}: {row['impls'][name]}", flush=True)
+            torch.cuda.empty_cache()
+        print(f"B={B} floor fwd {floor_fwd:.2f} full {floor_full:.2f} ms", flush=True)
+        result["rows"].append(row)
+        del x, t
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    result["wall_s"] = time.time() - t_start
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
