@@ -188,13 +188,18 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
   const Tensor& rj = exact->at(output_name::rejected_logps);
   const std::int64_t P = sh.P();
   const auto& hp = p.hp;
-  std::vector<double> avg_grad(static_cast<std::size_t>(sh.B));
+  std::vector<double> avg_grad(static_cast<std::size_t>(sh.B)), avg_grad_error(static_cast<std::size_t>(sh.B));
+  const double e_l = s.logprob_error();
   for (std::int64_t i = 0; i < P && i < c.numel() && i < rj.numel(); ++i) {
     const double si = hp.beta * (c.value(i) - rj.value(i)) - hp.gamma;
     const double sig_pos = 1 / (1 + std::exp(-si)), sig_neg = 1 / (1 + std::exp(si));
     const double g = (-(1 - hp.label_smoothing) * sig_neg + hp.label_smoothing * sig_pos) / static_cast<double>(P);
     avg_grad[static_cast<std::size_t>(i)] = hp.beta * g;
     avg_grad[static_cast<std::size_t>(P + i)] = -hp.beta * g;
+    const double g_error = (sig_pos * sig_neg * 2 * hp.beta * e_l +
+                            4 * u32 * ((1 - hp.label_smoothing) * sig_neg + hp.label_smoothing * sig_pos)) /
+                           static_cast<double>(P);
+    avg_grad_error[static_cast<std::size_t>(i)] = avg_grad_error[static_cast<std::size_t>(P + i)] = hp.beta * g_error;
   }
   std::vector<std::int64_t> n(static_cast<std::size_t>(sh.B), 0);
   std::int64_t chosen_tokens = 0;
@@ -213,13 +218,16 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
   double coherent_w_sq = 0, coherent_b_sq = 0;
   s.row_k.assign(static_cast<std::size_t>(sh.N()), 0.0);
   s.row_q.assign(static_cast<std::size_t>(sh.N()), 0.0);
+  s.row_dk.assign(static_cast<std::size_t>(sh.N()), 0.0);
+  double dk_sq = 0, dk_x_sq = 0, dk_b_sq = 0;  // per sequence: sums (one dg), then squares (pairs independent)
   s.max_weight_norm = max_w;
   double k_sq = 0, kx_sq = 0, kq_sq = 0, kqx_sq = 0;
   for (std::int64_t b = 0; b < sh.B; ++b) {
     const std::int64_t nb = n[static_cast<std::size_t>(b)];
     if (nb == 0) continue;
     const double k = hp.grad_scale * (avg_grad[static_cast<std::size_t>(b)] / static_cast<double>(nb) - (b < P ? nll_weight : 0.0));
-    double coherent_w = 0, coherent_b = 0;
+    const double dk = std::fabs(hp.grad_scale) * avg_grad_error[static_cast<std::size_t>(b)] / static_cast<double>(nb);
+    double coherent_w = 0, coherent_b = 0, dk_x_seq = 0, dk_seq = 0;
     for (std::int64_t t = 0; t < sh.T; ++t) {
       if (!p.is_completion(b, t)) continue;
       const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
@@ -230,12 +238,18 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
       }
       s.row_k[r] = std::fabs(k);
       s.row_q[r] = q[r];
+      s.row_dk[r] = dk;
+      dk_sq += dk * dk;
+      dk_x_seq += dk * xn;
+      dk_seq += dk;
       k_sq += k * k;
       kx_sq += k * k * xn * xn;
       kq_sq += kq * kq;
       kqx_sq += kq * kq * xn * xn;
     }
     coherent_w_sq += coherent_w * coherent_w;
+    dk_x_sq += dk_x_seq * dk_x_seq;
+    dk_b_sq += dk_seq * dk_seq;
     coherent_b_sq += coherent_b * coherent_b;
   }
   s.magnitude_grad_x = std::sqrt(k_sq) * max_w;
@@ -244,6 +258,9 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
   s.operand_grad_x = std::sqrt(kq_sq) * max_w;
   s.operand_grad_weight = std::sqrt(kqx_sq + coherent_w_sq);
   s.operand_grad_bias = std::sqrt(kq_sq + coherent_b_sq);
+  s.k_error_grad_x = 2 * std::sqrt(dk_sq) * max_w;
+  s.k_error_grad_weight = std::sqrt(2.0) * std::sqrt(dk_x_sq);
+  s.k_error_grad_bias = std::sqrt(2.0) * std::sqrt(dk_b_sq);
   return s;
 }
 
@@ -251,6 +268,13 @@ double ProblemScales::gradient_magnitude(const std::string& name) const {
   if (name == output_name::grad_x) return magnitude_grad_x;
   if (name == output_name::grad_weight) return magnitude_grad_weight;
   if (name == output_name::grad_bias) return magnitude_grad_bias;
+  return 0;
+}
+
+double ProblemScales::k_error(const std::string& name) const {
+  if (name == output_name::grad_x) return k_error_grad_x;
+  if (name == output_name::grad_weight) return k_error_grad_weight;
+  if (name == output_name::grad_bias) return k_error_grad_bias;
   return 0;
 }
 
@@ -273,7 +297,7 @@ double gradient_internal_error(const ProblemScales& scales, const std::string& n
   const double M = scales.gradient_magnitude(name);
   const double K = static_cast<double>(reduction_length(scales.shape, name));
   return operand_rounding * scales.operand_magnitude(name) + scalar_safety * scales.logprob_error() * M +
-         accumulation_safety * std::sqrt(K) * u32 * 2 * M;
+         accumulation_safety * std::sqrt(K) * u32 * 2 * M + scales.k_error(name);
 }
 
 // Forward error of the fp32 pipeline, per quantity (README "Error model" has the derivation):
@@ -329,7 +353,7 @@ double gradient_frob_bound_abs(const ProblemScales& scales, const std::string& n
   const double K = static_cast<double>(reduction_length(scales.shape, name));
   return gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
          scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M +
-         underflow * std::sqrt(nn);
+         underflow * std::sqrt(nn) + scales.k_error(name);
 }
 
 double gradient_elementwise_atol(const ProblemScales& scales, const std::string& name) {
@@ -342,8 +366,9 @@ double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double ro
   const double row_sample = 1 + small_sample / std::sqrt(H);
   const double acc = accumulation_safety * std::sqrt(static_cast<double>(scales.shape.V)) * u32 * 2;
   const double k = scales.row_k[static_cast<std::size_t>(row)], q = scales.row_q[static_cast<std::size_t>(row)];
+  const double dk = scales.row_dk.empty() ? 0.0 : scales.row_dk[static_cast<std::size_t>(row)];
   return gradient_safety * row_sample * std::hypot(row_floor_abs, operand_rounding * k * q * W) + scalar_safety * e_l * k * W +
-         acc * k * W + underflow * std::sqrt(H);
+         acc * k * W + underflow * std::sqrt(H) + 2 * dk * W;
 }
 
 }  // namespace simpo::verifier

@@ -68,6 +68,19 @@ struct ProblemScales {
   std::vector<double> row_k, row_q;
   double max_weight_norm = 0;
   double operand_magnitude(const std::string& output_name) const;
+  // The preference term's share of k is beta g_i / n[b], g_i = [-(1-ls) sigmoid(-s_i) + ls sigmoid(s_i)] / P.
+  // Its two terms can cancel (ls > 0 and s_i near ln((1-ls)/ls), e.g. ls = 0.5, s near 0), so an fp32
+  // implementation's k is off by an amount that is not relative to k: the fp32 error of s (2 beta e_l, through
+  // dg/ds = sigmoid(s) sigmoid(-s)) plus the rounding of the two terms (4 u32 each, relative to the terms).
+  // row_dk[r] bounds |k error| of row r; k_error_* bounds its effect on each gradient: grad_x rows
+  // ||dk (e_t - p)||_1 W <= 2 dk W (quadrature over rows), grad_weight sqrt(2) sum_r dk ||x_r|| and grad_bias
+  // sqrt(2) sum_r dk within a sequence (one g: coherent), in quadrature across sequences (pairs' errors are
+  // independent; a sum over all rows cost the weight_grad_bf16_accumulation mutant its matches_reference kill). These are bounds already (no safety factor on top: e_l is one).
+  // Found by the float32 numpy example (examples/numpy_simpo.py,
+  // main job seed 4242, case 549: ls = 0.5, gamma = 0, logit scale 0.1: 20 rejected grad_x rows at 1.4x).
+  std::vector<double> row_dk;
+  double k_error_grad_x = 0, k_error_grad_weight = 0, k_error_grad_bias = 0;
+  double k_error(const std::string& output_name) const;
   // The error of the fp32 token log-prob (README derivation), which also perturbs each dz by |k| e_l.
   double logprob_error() const;
   static ProblemScales of(const Problem&, const TensorMap* exact = nullptr);

@@ -368,7 +368,8 @@ int main(int argc, char** argv) {
     if (field.is_switch)
       g->add_flag_callback(flag, [&cs, flag] { cs.fields[flag] = ""; }, field.help);
     else
-      g->add_option_function<std::string>(flag, [&cs, flag](const std::string& v) { cs.fields[flag] = v; }, field.help);
+      g->add_option_function<std::string>(flag, [&cs, flag](const std::string& v) { cs.fields[flag] = v; }, field.help)
+          ->type_name(field.real ? "FLOAT" : flag == "--ignore-pattern" || flag == "--empty-sequence" ? "NAME" : "INT");
   }
   g->add_option("--impl", cs.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>, exec:COMMAND");
   add_timeout_option(g, cs.impl_options);
