@@ -117,6 +117,8 @@ def main():
         "command": "python3 python/tools/bench_peers.py " + " ".join(sys.argv[1:]),
         "reps": args.reps, "units": {"time": "ms (median)", "memory": "MiB"},
         "rows": [],
+        "peers": {},
+        "floor": {"B": [], "fwd_ms": [], "full_ms": []},
     }
     for B in [int(b) for b in args.batches.split(",")]:
         if args.budget and time.time() - t_start > args.budget:
@@ -169,6 +171,18 @@ def main():
             torch.cuda.empty_cache()
         print(f"B={B} floor fwd {floor_fwd:.2f} full {floor_full:.2f} ms", flush=True)
         result["rows"].append(row)
+        # The columns fused/cuda/bench/speed_table.py --peers reads: {"peers": {name: {"B": [..], "fwd_ms": [..],
+        # "full_ms": [..]}}}, plus the extra memory and the same process's GEMM floor.
+        for name, r in row["impls"].items():
+            if "error" in r:
+                continue
+            col = result["peers"].setdefault(name, {"B": [], "fwd_ms": [], "full_ms": [], "fwd_extra_mib": [],
+                                                    "full_extra_mib": []})
+            col["B"].append(B)
+            for k in ("fwd_ms", "full_ms", "fwd_extra_mib", "full_extra_mib"):
+                col[k].append(r[k])
+        for k, v in (("B", B), ("fwd_ms", floor_fwd), ("full_ms", floor_full)):
+            result["floor"][k].append(v)
         del x, t
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
