@@ -10,7 +10,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=3 OPENBLAS_NUM_THREADS=3
-SWEEP_BUDGET=${SWEEP_BUDGET:-35} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-15}
+SWEEP_BUDGET=${SWEEP_BUDGET:-30} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-28}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The extension's Debian libraries, where the image lacks them; CUDA's from the toolkit or torch's wheels.
 mkdir -p /tmp/pylibs
@@ -39,9 +39,9 @@ timeout $((SWEEP_BUDGET + 20)) python3 -m pytest -q -p no:cacheprovider python/t
 wait
 echo "stage 1: $(( $(date +%s) - start )) s"; tail -n 3 $R/pytest.log $R/liger-*.log; grep -h "cases in" $R/sweep-*.log
 
-timeout $((BENCH_BUDGET + 30)) python3 python/tools/bench_peers.py $R/peers.json --budget $BENCH_BUDGET --reps 5
+OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout $((BENCH_BUDGET + 17)) python3 python/tools/bench_peers.py $R/peers.json --budget $BENCH_BUDGET --reps 3
 echo "stage 2: $(( $(date +%s) - start )) s"
-timeout 30 python3 python/tools/published_case.py $R > $R/published.log 2>&1
+OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout 40 python3 python/tools/published_case.py $R > $R/published.log 2>&1
 grep -E "^(reference|ours|torch_eager|liger|cce)" $R/published.log
 echo "stage 3: $(( $(date +%s) - start )) s"
 cp $R/peers.json $R/published.json $OUT/ 2>/dev/null; tar czf $OUT/results.tgz -C $R . && rm -rf $R; ls -la $OUT
