@@ -50,9 +50,14 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
       Counterexample ce;
       ce.case_index = i;
       ce.original = c;
-      ce.shrunk = options.shrink ? shrink(c, impl, o.property, options.shrink_attempts, options.shrink_seconds, options.profile) : c;
-      const auto again = check_case(ce.shrunk, impl, {o.property}, false, options.profile);
-      ce.outcome = again.empty() || again.back().passed ? o : again.back();
+      ce.outcome = o;
+      if (options.shrink) {  // the outcome on the shrunk case (without shrinking it is o)
+        ce.shrunk = shrink(c, impl, o.property, options.shrink_attempts, options.shrink_seconds, options.profile);
+        const auto again = check_case(ce.shrunk, impl, {o.property}, false, options.profile);
+        if (!again.empty() && !again.back().passed) ce.outcome = again.back();
+      } else {
+        ce.shrunk = c;
+      }
       if (!options.counterexample_dir.empty()) {
         ce.inputs_path = options.counterexample_dir + "/" + file_name_part(impl.name) + "-" + o.property + "-case" +
                          std::to_string(i) + ".inputs.safetensors";
