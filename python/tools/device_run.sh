@@ -10,7 +10,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=3 OPENBLAS_NUM_THREADS=3
-SWEEP_BUDGET=${SWEEP_BUDGET:-30} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-28}
+SWEEP_BUDGET=${SWEEP_BUDGET:-25} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-22}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The extension's Debian libraries, where the image lacks them; CUDA's from the toolkit or torch's wheels.
 mkdir -p /tmp/pylibs
@@ -32,16 +32,16 @@ for p in ours torch_eager liger cce cce_exact; do
     > $R/sweep-$p.log 2>&1 &
 done
 for t in ours loss; do  # Liger's file with our module in place of Liger's, and as Liger ships it
-  (cd .liger-test && timeout $((SWEEP_BUDGET + 20)) python3 -m pytest -q -p no:cacheprovider --no-header \
+  (cd .liger-test && timeout $((SWEEP_BUDGET + 20)) python3 -m pytest -v -p no:cacheprovider --no-header \
      test/chunked_loss/test_simpo_$t.py --junitxml=$R/liger-$t.xml > $R/liger-$t.log 2>&1) &
 done
 timeout $((SWEEP_BUDGET + 20)) python3 -m pytest -q -p no:cacheprovider python/tests > $R/pytest.log 2>&1 &
 wait
 echo "stage 1: $(( $(date +%s) - start )) s"; tail -n 3 $R/pytest.log $R/liger-*.log; grep -h "cases in" $R/sweep-*.log
 
-OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout $((BENCH_BUDGET + 17)) python3 python/tools/bench_peers.py $R/peers.json --budget $BENCH_BUDGET --reps 3
+OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout $((BENCH_BUDGET + 15)) python3 python/tools/bench_peers.py $R/peers.json --budget $BENCH_BUDGET --reps 3
 echo "stage 2: $(( $(date +%s) - start )) s"
-OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout 40 python3 python/tools/published_case.py $R > $R/published.log 2>&1
+OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout 35 python3 python/tools/published_case.py $R > $R/published.log 2>&1
 grep -E "^(reference|ours|torch_eager|liger|cce)" $R/published.log
 echo "stage 3: $(( $(date +%s) - start )) s"
 cp $R/peers.json $R/published.json $OUT/ 2>/dev/null; tar czf $OUT/results.tgz -C $R . && rm -rf $R; ls -la $OUT
