@@ -73,12 +73,16 @@ if want bench; then
     echo "== cuda_bench --variant $v"
     "$stage/cuda_bench" --variant $v 2>&1 | tee -a "$OUT/bench.log"
   done
-  for args in "--logits-k-splits 1" "--max-chunk-rows 2048"; do
+  extra=("--logits-k-splits 1" "--max-chunk-rows 2048")
+  [ -n "${BENCH_EXTRA+x}" ] && extra=(${BENCH_EXTRA:+"$BENCH_EXTRA"})
+  for args in "${extra[@]}"; do
     echo "== cuda_bench --B 2 16 $args"
     "$stage/cuda_bench" --B 2 16 $args 2>&1 | tee -a "$OUT/bench.log"
   done
-  echo "== cuda_bench, 256 MiB workspace (the two_pass fallback)"
-  "$stage/cuda_bench" --B 2 16 --workspace-mib 256 --reps 5 2>&1 | tee -a "$OUT/bench.log"
+  if [ "${SMALL_WORKSPACE:-1}" = 1 ]; then
+    echo "== cuda_bench, 256 MiB workspace (the two_pass fallback)"
+    "$stage/cuda_bench" --B 2 16 --workspace-mib 256 --reps 5 2>&1 | tee -a "$OUT/bench.log"
+  fi
   python3 "$(dirname "$0")/speed_table.py" "$OUT/bench.log" --json "$OUT/speed.json" --png "$OUT/speed.png" \
     ${PEERS_JSON:+--peers "$PEERS_JSON"} 2>&1 | tee -a "$OUT/bench.log"
 fi
@@ -92,10 +96,12 @@ if want sanitize; then
   summary+=("memcheck exit $rc: $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
   # racecheck on small tests, each in its own process: our kernels (kns=simpo), then everything (CUTLASS and
   # cuBLAS too), since it has died inside cublasLtMatmul before.
-  for filter in "--kernel-name kns=simpo" ""; do
+  filters=("--kernel-name kns=simpo" "")
+  [ "${RACECHECK_ALL_ONLY:-0}" = 1 ] && filters=("")
+  for filter in "${filters[@]}"; do
     for t in ${RACECHECK_TESTS:-CudaBackendFeatures.Bias CudaBackendFeatures.OddSizesBothSchedules CudaBackendSchedules.TwoPassAgreesWithThreePass}; do
       echo "== compute-sanitizer --tool racecheck $filter on $t"
-      timeout 120 compute-sanitizer --tool racecheck $filter --error-exitcode 9 "$stage/cuda_backend_test" \
+      timeout ${RACECHECK_TIMEOUT:-120} compute-sanitizer --tool racecheck $filter --error-exitcode 9 "$stage/cuda_backend_test" \
         --gtest_filter="$t" > "$OUT/racecheck_one.log" 2>&1
       rc=$?; grep -E "RACECHECK SUMMARY|Internal|PASSED|FAILED  \]" "$OUT/racecheck_one.log" | head -4
       summary+=("racecheck '$filter' $t exit $rc: $(grep -E 'RACECHECK SUMMARY|Internal' "$OUT/racecheck_one.log" | head -1)")
