@@ -131,5 +131,42 @@ TEST(CoreInputs, SizeMismatchesAreInputErrors) {
   }
 }
 
+// Device selection (SPEC's --reference): auto always resolves to something that can run here; cuda where
+// reference-cuda cannot run is an InputError that says why, from compute and compute_core alike; a misspelt name
+// lists the choices.
+TEST(DeviceSelection, UnavailableCudaIsAnInputErrorNamingWhy) {
+  EXPECT_EQ(resolve(Device::automatic), cuda_available() ? Device::cuda : Device::cpu);
+  EXPECT_EQ(resolve(Device::cpu), Device::cpu);
+  EXPECT_EQ(device_from_name("auto"), Device::automatic);
+  try {
+    device_from_name("gpu");
+    FAIL() << "no InputError";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("cpu, cuda or auto"), std::string::npos) << e.what();
+  }
+  if (cuda_available()) GTEST_SKIP() << "reference-cuda can run here: nothing to refuse";
+  EXPECT_FALSE(cuda_unavailable_reason().empty());
+  Options options;
+  options.device = Device::cuda;
+  const Problem p = valid_problem();
+  for (const bool core : {false, true}) {
+    try {
+      if (core) {
+        const std::vector<double> x = widen(p.x), weight = widen(p.weight), bias = widen(*p.bias);
+        std::vector<double> gx(x.size()), gw(weight.size()), gb(bias.size());
+        compute_core({p.shape, p.hp, x, weight, bias, p.target}, options, {gx, gw, gb});
+      } else {
+        compute(p, options);
+      }
+      FAIL() << "no InputError";
+    } catch (const InputError& e) {
+      EXPECT_EQ(std::string(e.what()), "reference cuda: " + cuda_unavailable_reason());
+    }
+  }
+  // The reproducible mode is CPU-only and ignores the device.
+  options.reproducible = true;
+  EXPECT_NO_THROW(compute(p, options));
+}
+
 }  // namespace
 }  // namespace simpo::reference
