@@ -65,6 +65,10 @@ struct Tuning {
   // the compiled variant and tile order (promoted_gemm.h).
   std::int64_t promotion_k = 256;
   PromotedSchedule promoted;
+  // Forward-only chunks of at most this many rows (0: as tall as the budget allows). The promoted GEMM ran
+  // 15% slower than cuBLAS on the forward's ~4100-row chunks but level with it on the full step's 2048-row ones
+  // (BENCHMARKS.md, 2026-12-03): a 2048 x 4096 bf16 x chunk (16 MiB) stays in L2 while the weight streams.
+  std::int64_t forward_chunk_rows = 0;
 };
 // The default for a device and H: promoted every logits_k_slice (rounded to the k tile) where
 // promoted_logits_available(), else that many cuBLAS slices; logits_k_slice = 0 is one cuBLAS GEMM anywhere.

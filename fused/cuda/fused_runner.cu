@@ -91,6 +91,9 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   Options plan_options = options;
   plan_options.gradients = gradients;
   plan_options.workspace_bytes = rows_that_fit * workspace_bytes_per_row(s, gradients);
+  if (!gradients && tuning.forward_chunk_rows > 0)
+    plan_options.max_chunk_rows = options.max_chunk_rows > 0 ? std::min(options.max_chunk_rows, tuning.forward_chunk_rows)
+                                                             : tuning.forward_chunk_rows;
   report_.schedule = plan(s, plan_options);
   place_chunk_buffers(layout, s, report_.schedule.max_rows(), gradients);
   report_.workspace_bytes = layout.total;

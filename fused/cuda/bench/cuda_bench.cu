@@ -138,10 +138,16 @@ int main(int argc, char** argv) {
       tuning.promoted.swizzle = static_cast<int>(next());
       tuned = true;
     } else if (a == "--max-chunk-rows") max_chunk_rows = next();
+    else if (a == "--forward-chunk-rows") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      tuning.forward_chunk_rows = next();
+      tuned = true;
+    }
     else {
       std::fprintf(stderr,
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
+                   "                  [--forward-chunk-rows n (0: as the budget allows)]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
                    "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
@@ -152,7 +158,8 @@ int main(int argc, char** argv) {
   const std::string logits_gemm =
       tuning.logits == Tuning::Logits::promoted
           ? std::string("promoted GEMM (") + promoted_variant_name(tuning.promoted.variant) + ") every " +
-                std::to_string(tuning.promotion_k) + " k, swizzle " + std::to_string(tuning.promoted.swizzle)
+                std::to_string(tuning.promotion_k) + " k, swizzle " + std::to_string(tuning.promoted.swizzle) +
+                ", forward chunks <= " + std::to_string(tuning.forward_chunk_rows) + " rows"
           : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
   try {
     cudaDeviceProp prop{};

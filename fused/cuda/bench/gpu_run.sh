@@ -73,7 +73,7 @@ if want bench; then
     echo "== cuda_bench --variant $v"
     "$stage/cuda_bench" --variant $v 2>&1 | tee -a "$OUT/bench.log"
   done
-  extra=("--logits-k-splits 1" "--max-chunk-rows 2048")
+  extra=("--logits-k-splits 1" "--forward-chunk-rows 0")
   [ -n "${BENCH_EXTRA+x}" ] && extra=(${BENCH_EXTRA:+"$BENCH_EXTRA"})
   for args in "${extra[@]}"; do
     echo "== cuda_bench --B 2 16 $args"
