@@ -23,6 +23,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 
@@ -343,6 +344,12 @@ std::string cuda_unavailable_reason() {
 }
 
 bool cuda_available() { return cuda_unavailable_reason().empty(); }
+
+namespace {
+std::atomic<Device> default_device_setting{Device::cpu};
+}
+Device default_device() { return default_device_setting.load(); }
+void set_default_device(Device d) { default_device_setting.store(d); }
 
 Device resolve(Device d) {
   if (d == Device::automatic) return cuda_available() ? Device::cuda : Device::cpu;

@@ -17,12 +17,16 @@ Device device_from_name(const std::string&);  // throws InputError naming the ch
 bool cuda_available();                         // reference-cuda was built and a device is present
 std::string cuda_unavailable_reason();         // "" when cuda_available(), else why not (no build, no device)
 Device resolve(Device);                        // automatic -> cuda or cpu; cuda unavailable: InputError naming why
+// The device an Options{} starts with: cpu unless a program says otherwise (simpo-verify's --reference sets it once,
+// so every reference run of that command, wherever the verifier makes its Options, follows it).
+Device default_device();
+void set_default_device(Device);
 
 struct Options {
   bool gradients = true;  // false: loss and auxiliary outputs only
   // cpu: OpenBLAS products on every core. cuda: reference-cuda (reference/cuda), the same schedule with cuBLAS
   // DGEMM and float64 kernels, chunks in device memory; its progress is reported once per block.
-  Device device = Device::cpu;
+  Device device = default_device();
   // The matrix products in one fixed summation order (plain loops, no BLAS, no threads, no FMA contraction):
   // the outputs are then the same bits on every x86-64 CPU, vector width and thread count. For the golden
   // fixtures, which are small; far slower than the BLAS products. CPU only (device is ignored).

@@ -144,6 +144,11 @@ TEST(DeviceSelection, UnavailableCudaIsAnInputErrorNamingWhy) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("cpu, cuda or auto"), std::string::npos) << e.what();
   }
+  // A program's choice (simpo-verify --reference) reaches every Options made after it.
+  EXPECT_EQ(Options{}.device, Device::cpu);
+  set_default_device(Device::automatic);
+  EXPECT_EQ(Options{}.device, Device::automatic);
+  set_default_device(Device::cpu);
   if (cuda_available()) GTEST_SKIP() << "reference-cuda can run here: nothing to refuse";
   EXPECT_FALSE(cuda_unavailable_reason().empty());
   Options options;
