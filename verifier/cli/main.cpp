@@ -38,6 +38,14 @@ std::int64_t total(const std::map<std::string, std::int64_t>& m) {
   return n;
 }
 
+// SPEC: every command that judges takes --reference auto|cpu|cuda (which float64 reference). Given, it becomes
+// the reference's default device, so every reference run of the command follows it.
+std::string reference_device;
+void add_reference_option(CLI::App* app) {
+  app->add_option("--reference", reference_device, "the float64 reference judged against: cpu, cuda, or auto (the GPU one where a device is present; default: cpu)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+}
+
 void add_timeout_option(CLI::App* app, sv::ImplementationOptions& options) {
   app->add_option("--case-timeout", options.case_timeout_s,
                   "exec: seconds one case may take before the program is killed and the case fails (default 120)");
@@ -335,6 +343,7 @@ int main(int argc, char** argv) {
   app.add_option("--time-budget", job.time_budget, "sweep seconds (default 60)");
   app.add_option("--impl", job.impl, "implementation: auto, cpu, cuda, reference, exec:COMMAND");
   add_timeout_option(&app, job.impl_options);
+  add_reference_option(&app);
   app.add_option("--fixtures-dir", job.fixtures_dir, "committed fixtures");
   app.add_option("--counterexample-dir", job.counterexample_dir, "where failing cases' inputs files go");
   app.add_flag("--no-fixtures", job.no_fixtures, "skip the committed fixtures");
@@ -357,6 +366,7 @@ int main(int argc, char** argv) {
   k->add_option("--reference-outputs", check.reference_outputs,
                 "the reference's outputs for these inputs, already on disk (a fixture's, or compute --impl reference's)");
   add_profile_options(k, check.profile);
+  add_reference_option(k);
   k->add_flag("--json", check.json, "JSON report for CI");
   k->add_flag("--forward-only", check.forward_only, "expect no gradients (a --no-grad candidate)");
 
@@ -373,6 +383,7 @@ int main(int argc, char** argv) {
   }
   g->add_option("--impl", cs.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>, exec:COMMAND");
   add_timeout_option(g, cs.impl_options);
+  add_reference_option(g);
   g->add_flag("--grad-f32", cs.grad_f32, "fused: grad_weight and grad_bias in F32");
   g->add_flag("--no-grad", cs.no_grad, "forward only");
   g->add_option("--save-inputs", cs.save_inputs, "also write the generated inputs file here");
@@ -399,6 +410,7 @@ int main(int argc, char** argv) {
   auto* s = app.add_subcommand("sweep", "a random sweep of one implementation (e.g. 10,000 cases on a correct one)");
   s->add_option("--impl", sweep.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>, exec:COMMAND");
   add_timeout_option(s, sweep.impl_options);
+  add_reference_option(s);
   s->add_option("--seed", sweep.seed, "sweep seed");
   s->add_option("--cases", sweep.cases, "case count");
   s->add_option("--time-budget", sweep.time_budget, "seconds");
@@ -419,6 +431,8 @@ int main(int argc, char** argv) {
   }
 
   try {
+    if (!reference_device.empty())
+      simpo::reference::set_default_device(simpo::reference::resolve(simpo::reference::device_from_name(reference_device)));
     if (*c) return run_compute(compute);
     if (*k) return run_check(check);
     if (*g) return run_case(cs);

@@ -45,5 +45,9 @@ expect_refusal "check --reference-outputs of another problem" "--reference-outpu
 expect_refusal "check --reference-outputs of a candidate" "not F64" \
   "$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --reference-outputs "$work/cpu.safetensors"
 
+# --reference (SPEC: every command that judges): a bad name is exit 2; cpu judges as before.
+expect_refusal "check --reference gpu" "--reference" "$exe" check --inputs "$in" --candidate "$ref" --reference gpu
+"$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --reference cpu >/dev/null || fail "check --reference cpu"
+
 [[ $failures -eq 0 ]] && echo "all passed"
 exit $((failures > 0))
