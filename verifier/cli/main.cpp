@@ -174,10 +174,12 @@ int run_check(const CheckArgs& a) {
   if (progress) std::fprintf(stderr, "\n");
   const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact);
   bool all_passed = true;
+  std::size_t passed_count = 0;
   nlohmann::json documents = nlohmann::json::array();
   for (const auto& candidate : a.candidates) {
     const sv::Report report = sv::check_candidate_file(scales, exact, candidate, profile);
     all_passed = all_passed && report.passed();
+    passed_count += report.passed();
     if (a.json) {
       nlohmann::json doc = nlohmann::json::parse(sv::format_json(report));
       doc["candidate"] = candidate;
@@ -194,9 +196,8 @@ int run_check(const CheckArgs& a) {
     else
       std::cout << nlohmann::json{{"passed", all_passed}, {"inputs", a.inputs}, {"candidates", documents}}.dump(2) << "\n";
   } else if (a.candidates.size() > 1) {
-    std::size_t passed = 0;
-    for (const auto& d : documents) passed += d.value("passed", false);
-    std::cout << "candidates: " << (all_passed ? "all passed" : "some FAILED") << "\n";
+    std::cout << a.candidates.size() << " candidates: " << passed_count << " passed, "
+              << a.candidates.size() - passed_count << " failed\n";
   }
   return all_passed ? 0 : 1;
 }

@@ -37,6 +37,7 @@ expect_refusal "case --beta lots" "--beta" "$exe" case --impl reference --beta l
 out="$("$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --candidate "$work/bad.safetensors" 2>&1)"; rc=$?
 [[ $rc -eq 1 ]] || fail "check with a failing candidate: exit $rc"
 [[ $(grep -c "profile strict:" <<<"$out") -eq 2 ]] || fail "check: not one table per candidate: $out"
+[[ "$out" == *"2 candidates: 1 passed, 1 failed"* ]] || fail "check: no closing line for the candidates: $out"
 json="$("$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --candidate "$work/cpu.safetensors" --json --reference-outputs "$ref")"; rc=$?
 [[ $rc -eq 0 ]] || fail "check --reference-outputs: exit $rc"
 python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["passed"] and len(d["candidates"]) == 2, d' <<<"$json" || fail "check --json: not one document with two candidates"
