@@ -55,12 +55,12 @@ def main():
         import matplotlib.pyplot as plt
         default = sorted((r for r in rows if r["workspace_mib"] == max(x["workspace_mib"] for x in rows)),
                          key=lambda r: r["B"])
-        # The most common logits GEMM among the rows over all B is the default run's.
-        name = max({r["logits"] for r in default}, key=lambda n: sum(r["logits"] == n for r in default))
+        # The first run in the log is the default one (gpu_run.sh runs it first).
+        name = default[0]["logits"] if default else rows[0]["logits"]
         default = [r for r in default if r["logits"] == name]
         B = [r["B"] for r in default]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.plot(B, [r["fused_full_ms"] for r in default], "o-", label="fused full step (" + name + ")")
+        ax.plot(B, [r["fused_full_ms"] for r in default], "o-", label="fused full step")
         ax.plot(B, [r["floor_full_ms"] for r in default], "k--", label="floor: 3 bf16 cuBLAS GEMMs")
         ax.plot(B, [1.15 * r["floor_full_ms"] for r in default], "k:", label="bar: 1.15x floor")
         ax.plot(B, [r["fused_fwd_ms"] for r in default], "s-", label="fused forward")
@@ -73,7 +73,8 @@ def main():
         ax.set_yscale("log")
         ax.set_xticks(B, [str(b) for b in B])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.set_title(name, fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)
     for r in rows:
