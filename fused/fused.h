@@ -57,11 +57,13 @@ struct Options {
   // Upper bound on token rows per chunk (0: the budget decides). Tests use it to put chunk boundaries at
   // awkward places without huge shapes; it never changes the result beyond fp32 noise.
   std::int64_t max_chunk_rows = 0;
-  // cuda only: the logits GEMM's reduction over H is cut into slices of at most this many hidden units,
-  // summed in fp32. The tensor cores' fp32 accumulation rounds toward zero (measured mean bias of the
-  // logits -3.1e-6 relative at K=4096, -1.3e-7 at K=256; fused/cuda/BENCHMARKS.md), which alone breaks the
-  // 5e-7 bar on loss/nll/logps; each extra slice costs one more pass over the fp32 chunk logits.
-  // 0: one GEMM over all of H (fastest, least accurate scalars). Gradients are unaffected either way.
+  // cuda only: the logits GEMM accumulates at most this many hidden units in the tensor cores before the
+  // partial sums are added in ordinary fp32. The tensor cores' fp32 accumulation rounds toward zero (mean
+  // bias of the logits -3.2e-6 relative at K=4096, -1.5e-7 at 256; fused/cuda/BENCHMARKS.md), which alone
+  // breaks the 5e-7 bar on loss/nll/logps. On sm_90 one GEMM promotes every this many k (rounded to 64), at
+  // about the cost of an unpromoted GEMM; elsewhere k is cut into cuBLAS slices of this size, each extra slice
+  // one more pass over the fp32 chunk logits. 0: one cuBLAS GEMM over all of H (biased scalars). Gradients are
+  // unaffected either way.
   std::int64_t logits_k_slice = 256;
   Mutant mutant = Mutant::none;
 };
