@@ -133,9 +133,12 @@ nb::dict report_of(const sv::Report& r) {
 
 // ---- sweep against a Python callable ----
 
-// What the sweep's candidate runs produced, kept to judge them again under other profiles: the first run with
-// gradients of each distinct problem (CaseRun runs the case's own problem first, valid_input_agrees).
+// What the sweep's candidate runs produced, kept to judge them again under other profiles: per case, its first
+// run with gradients (CaseRun runs the case's own problem first, for valid_input_agrees; the problems other
+// properties derive from it, e.g. duplicate_pairs' doubled batch, keep its description and are not recorded).
+// Recording stops when the case loop ends: the shrinker's attempts are not cases.
 struct Recorded {
+  bool on = true;
   std::vector<std::string> order;
   std::map<std::string, std::pair<Problem, TensorMap>> runs;
 };
@@ -165,8 +168,8 @@ sv::Implementation python_implementation(nb::callable fn, const std::string& nam
     } catch (const nb::cast_error&) {
       throw InputError(name + " returned something other than a dict of SPEC outputs");
     }
-    if (record && run.gradients) {
-      const std::string key = problem.description + "|" + problem.shape.to_string() + "|" + problem.seed;
+    if (record && record->on && run.gradients) {
+      const std::string& key = problem.description;
       if (!record->runs.count(key)) {
         record->order.push_back(key);
         record->runs.emplace(key, std::make_pair(problem, out));
@@ -218,6 +221,7 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   {
     nb::gil_scoped_release release;  // the callable takes it back for each case
     sv::SweepResult r = sv::run_sweep(impl, options);
+    if (record) record->on = false;
     std::map<std::string, bool> shrunk_one;
     nb::gil_scoped_acquire gil;
     d["cases"] = r.cases;
