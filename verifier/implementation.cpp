@@ -71,6 +71,14 @@ Implementation implementation_by_name(const std::string& name, const Implementat
   validate(options);
   if (name.rfind("exec:", 0) == 0) return exec_implementation(name.substr(5), options);
   if (name == "reference") return reference_implementation();
+  if (name == "reference-cuda")  // SPEC: the float64 reference on the GPU (an InputError naming why where it cannot run)
+    return make_implementation("reference-cuda", [](const Problem& problem, const RunOptions& run) {
+      reference::Options options;
+      options.device = reference::Device::cuda;
+      options.gradients = run.gradients;
+      options.chunk_rows = run.max_chunk_rows;
+      return reference::compute(problem, options);
+    });
   if (name == "auto") return best_available();
   const auto plus = name.find('+');
   const fused::Backend backend = fused::backend_from_name(name.substr(0, plus));

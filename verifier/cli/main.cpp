@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
 
   ComputeArgs compute;
   auto* c = app.add_subcommand("compute", "run one implementation on an inputs file and write an outputs file");
-  c->add_option("--impl", compute.impl, "reference, cpu, cuda, <backend>+<mutant>, exec:COMMAND")->required();
+  c->add_option("--impl", compute.impl, "reference, reference-cuda, cpu, cuda, <backend>+<mutant>, exec:COMMAND")->required();
   add_timeout_option(c, compute.impl_options);
   c->add_option("--inputs", compute.inputs, "inputs safetensors file")->required();
   c->add_option("--out", compute.out, "outputs safetensors file to write")->required();
