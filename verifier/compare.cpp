@@ -7,14 +7,6 @@
 
 namespace simpo::verifier {
 
-namespace {
-std::string sci(double v, int digits = 2) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.*e", digits, v);
-  return buf;
-}
-}  // namespace
-
 std::string verdict_name(Verdict v) {
   switch (v) {
     case Verdict::passed: return "passed";

@@ -46,12 +46,6 @@ const double operand_rounding = 0x1.0p-8 / std::sqrt(3.0);
 constexpr double small_sample = 3.0;
 constexpr double accumulation_safety = 4.0;
 
-std::string sci(double v, int digits = 2) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.*e", digits, v);
-  return buf;
-}
-
 std::int64_t reduction_length(const Shape& s, const std::string& name) {
   return name == output_name::grad_x ? s.V : s.N();
 }

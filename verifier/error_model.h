@@ -154,5 +154,6 @@ Report compare(const ProblemScales&, const TensorMap& exact, const TensorMap& ca
 
 std::string format_table(const Report&);  // one row per tensor, then the verdict line
 std::string format_json(const Report&);   // for CI: {"profile", "passed", "tensors": [...]}
+std::string sci(double v, int digits = 2);  // "1.23e-04": how tables and messages write an error
 
 }  // namespace simpo::verifier

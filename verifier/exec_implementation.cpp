@@ -218,6 +218,20 @@ class ExecDriver {
     throw ImplementationFault("exec: the program " + what + (one_shot_ ? "" : "; restarted for the next case"));
   }
 
+  // One read of the child's output that waits no later than the deadline (past it: a timeout fault). Returns
+  // read(2)'s count: 0 at EOF, < 0 on an error other than EINTR/EAGAIN.
+  ssize_t read_before(char* buffer, std::size_t size, clock::time_point deadline) {
+    for (;;) {
+      pollfd p{child_.from_output, POLLIN, 0};
+      const int ready = poll(&p, 1, ms_left(deadline));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready == 0) fault(timeout_text());
+      const ssize_t n = ::read(child_.from_output, buffer, size);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      return n;
+    }
+  }
+
   std::string timeout_text() const {
     char buf[64];
     std::snprintf(buf, sizeof buf, "%g", options_.case_timeout_s);
@@ -238,13 +252,8 @@ class ExecDriver {
     // One line back, before the deadline.
     std::size_t newline;
     while ((newline = buffer_.find('\n')) == std::string::npos) {
-      pollfd p{child_.from_output, POLLIN, 0};
-      const int ready = poll(&p, 1, ms_left(deadline));
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready == 0) fault(timeout_text());
       char chunk[4096];
-      const ssize_t n = ::read(child_.from_output, chunk, sizeof chunk);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      const ssize_t n = read_before(chunk, sizeof chunk, deadline);
       if (n <= 0) {  // EOF: it closed its stdout, which in practice means it died
         std::string why = "closed its standard output without answering";
         if (auto status = child_.wait_until(std::min(deadline, clock::now() + std::chrono::seconds(1))))
@@ -281,13 +290,8 @@ class ExecDriver {
     child_ = spawn(command, false);
     std::string err;
     for (;;) {  // its stderr until EOF (it exited, or closed it)
-      pollfd p{child_.from_output, POLLIN, 0};
-      const int ready = poll(&p, 1, ms_left(deadline));
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready == 0) fault(timeout_text());
       char chunk[4096];
-      const ssize_t n = ::read(child_.from_output, chunk, sizeof chunk);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      const ssize_t n = read_before(chunk, sizeof chunk, deadline);
       if (n <= 0) break;
       if (err.size() < (1 << 16)) err.append(chunk, static_cast<std::size_t>(n));
     }

@@ -9,13 +9,11 @@
 
 namespace simpo::verifier {
 
-namespace {
-std::string sci(double v, int digits = 2) {
+std::string sci(double v, int digits) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.*e", digits, v);
   return buf;
 }
-}  // namespace
 
 std::string format_table(const Report& report) {
   std::ostringstream os;
