@@ -7,22 +7,20 @@ namespace simpo::fused {
 Targets read_targets(const Problem& problem, Mutant mutant) {
   const Shape& s = problem.shape;
   Targets t;
-  t.column.resize(static_cast<std::size_t>(s.N()));
   t.n.assign(static_cast<std::size_t>(s.B), 0);
   for (std::int64_t b = 0; b < s.B; ++b) {
     for (std::int64_t i = 0; i < s.T; ++i) {
       const std::int64_t r = b * s.T + i;
       const std::int64_t target = problem.target[static_cast<std::size_t>(r)];
       const bool completion = target != problem.hp.ignore_index;
-      t.column[static_cast<std::size_t>(r)] = completion ? target : -1;
-      // MUTANT sum_includes_ignored: the ignored position is gathered at column 0 and summed (a masked gather
-      // whose mask was forgotten in the sum), while the length below stays right.
-      if (mutant == Mutant::sum_includes_ignored && !completion) t.column[static_cast<std::size_t>(r)] = 0;
       if (completion) ++t.n[static_cast<std::size_t>(b)];
     }
     // MUTANT length_counts_ignored: the average divides by T, ignored positions included.
     if (mutant == Mutant::length_counts_ignored) t.n[static_cast<std::size_t>(b)] = s.T;
   }
+  // MUTANT sum_includes_ignored: the ignored position is gathered at column 0 and summed (a masked gather
+  // whose mask was forgotten in the sum), while the lengths above stay right.
+  t.ignored_gather_column0 = mutant == Mutant::sum_includes_ignored;
   for (std::int64_t b = 0; b < s.P(); ++b) t.n_chosen += t.n[static_cast<std::size_t>(b)];
   return t;
 }
@@ -42,7 +40,7 @@ struct PairMath {
   double logprob_sum(std::int64_t b) const {
     double sum = 0;
     for (std::int64_t r = b * problem.shape.T; r < (b + 1) * problem.shape.T; ++r)
-      if (targets.column[static_cast<std::size_t>(r)] >= 0)
+      if (gathered_column(problem, targets, r) >= 0)
         sum += static_cast<double>(stats.z_target[static_cast<std::size_t>(r)]) -
                static_cast<double>(stats.lse[static_cast<std::size_t>(r)]);
     return sum;
@@ -99,7 +97,7 @@ struct PairMath {
         const double nll = b < P() ? nll_weight() : 0.0;
         const std::int64_t n = targets.n[static_cast<std::size_t>(b)];
         for (std::int64_t r = b * T; r < (b + 1) * T; ++r) {
-          const bool counted = targets.column[static_cast<std::size_t>(r)] >= 0;
+          const bool counted = gathered_column(problem, targets, r) >= 0;
           const double value = math::row_coefficient(hp.grad_scale, counted, avg_grad, n, nll);
           k[static_cast<std::size_t>(r)] = static_cast<float>(value);
         }

@@ -15,13 +15,20 @@ namespace simpo::fused {
 
 // What the forward needs from the targets alone, known before any GEMM.
 struct Targets {
-  std::vector<std::int64_t> column;  // [N] the logit row r gathers (its target); -1: not a completion token
-  std::vector<std::int64_t> n;       // [B] completion tokens of sequence b (the average's length)
-  std::int64_t n_chosen = 0;         // N_c: completion tokens of the chosen sequences
+  std::vector<std::int64_t> n;  // [B] completion tokens of sequence b (the average's length)
+  std::int64_t n_chosen = 0;    // N_c: completion tokens of the chosen sequences
+  bool ignored_gather_column0 = false;  // Mutant::sum_includes_ignored (see gathered_column)
 };
-// Mutant::sum_includes_ignored gives ignored rows column 0 (counted in sums, not in n);
+// Mutant::sum_includes_ignored makes ignored rows gather column 0 (counted in sums, not in n);
 // Mutant::length_counts_ignored sets n[b] = T. Other mutants do not change the targets.
 Targets read_targets(const Problem&, Mutant = Mutant::none);
+
+// The logit column row r gathers and sums: its target, or -1 off the completion (ignore_index).
+inline std::int64_t gathered_column(const Problem& problem, const Targets& targets, std::int64_t r) {
+  const std::int64_t target = problem.target[static_cast<std::size_t>(r)];
+  if (target != problem.hp.ignore_index) return target;
+  return targets.ignored_gather_column0 ? 0 : -1;
+}
 
 // The per-row statistics the backends compute from each chunk's logits; all the forward needs of them.
 // lse and z_target may carry any common per-row offset: only l = z_target - lse is read. The cpu backend
@@ -30,7 +37,7 @@ Targets read_targets(const Problem&, Mutant = Mutant::none);
 // magnitude) lose up to ulp(lse)/2 there, e.g. 4e-6 absolute at logits of 100.
 struct RowStats {
   std::vector<float> lse;       // [N] log sum_v exp(z[r, v]) (up to the row's offset), fp32, max-shifted
-  std::vector<float> z_target;  // [N] z[r, column[r]] (up to the same offset; 0 where column = -1)
+  std::vector<float> z_target;  // [N] z[r, gathered_column(r)] (same offset; 0 where that is -1)
   std::vector<double> rowsum;   // [N] sum_v z[r, v] (for the *_logits_mean outputs)
   RowStats() = default;
   explicit RowStats(std::int64_t N) : lse(N, 0.f), z_target(N, 0.f), rowsum(N, 0.0) {}

@@ -59,18 +59,26 @@ static std::vector<Chunk> pair_chunks(const Shape& shape, std::int64_t pairs) {
 }
 
 Schedule plan(const Shape& shape, const Options& options, bool allow_three_pass) {
-  if (options.max_chunk_rows < 0)
-    throw InputError("max_chunk_rows must be >= 0 (0 lets the workspace decide), got " +
-                     std::to_string(options.max_chunk_rows));
-  Schedule s;
-  s.bytes_per_row = workspace_bytes_per_row(shape, options.gradients);
-  const std::int64_t fit = options.workspace_bytes > 0 ? options.workspace_bytes / s.bytes_per_row : 0;
+  const std::int64_t bytes_per_row = workspace_bytes_per_row(shape, options.gradients);
+  const std::int64_t fit = options.workspace_bytes > 0 ? options.workspace_bytes / bytes_per_row : 0;
   if (fit < 1)
     throw InputError("fused workspace of " + std::to_string(options.workspace_bytes) +
                      " bytes cannot hold one token row of " + shape.to_string() + ": one row needs " +
-                     std::to_string(s.bytes_per_row) + " bytes");
+                     std::to_string(bytes_per_row) + " bytes");
+  return plan_rows(shape, fit, options, allow_three_pass);
+}
+
+Schedule plan_rows(const Shape& shape, std::int64_t rows_that_fit, const Options& options, bool allow_three_pass) {
+  if (options.max_chunk_rows < 0)
+    throw InputError("max_chunk_rows must be >= 0 (0 lets the workspace decide), got " +
+                     std::to_string(options.max_chunk_rows));
+  if (rows_that_fit < 1)
+    throw InputError("fused plan for " + shape.to_string() + ": chunks of " + std::to_string(rows_that_fit) +
+                     " rows (at least 1 needed)");
+  Schedule s;
+  s.bytes_per_row = workspace_bytes_per_row(shape, options.gradients);
   const std::int64_t N = shape.N();
-  std::int64_t rows = std::min(fit, N);
+  std::int64_t rows = std::min(rows_that_fit, N);
   if (options.max_chunk_rows > 0) rows = std::min(rows, options.max_chunk_rows);
   s.chunk_rows = rows;
 

@@ -61,4 +61,9 @@ struct Schedule {
 // workspace cannot hold one row, and for a negative max_chunk_rows. Assumes a shape validate_shape accepted.
 Schedule plan(const Shape&, const Options&, bool allow_three_pass = true);
 
+// The same plan for a backend that sizes its own buffers: chunks of at most `rows_that_fit` rows (>= 1; also
+// capped by options.max_chunk_rows), options.workspace_bytes unread. plan() is this with rows_that_fit =
+// workspace_bytes / workspace_bytes_per_row.
+Schedule plan_rows(const Shape&, std::int64_t rows_that_fit, const Options&, bool allow_three_pass = true);
+
 }  // namespace simpo::fused

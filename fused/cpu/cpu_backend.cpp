@@ -182,7 +182,7 @@ class Run {
       // and l is near 0, where max + log(sum) rounded at the logits' magnitude would not.
       row_max_[r] = max;
       stats_.lse[r] = std::log(sum_exp);
-      const std::int64_t column = targets_.column[r];
+      const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
       stats_.z_target[r] = column >= 0 ? z[column] - max : 0.f;
       stats_.rowsum[r] += rowsum;  // += so that a chunk processed twice (a mutant) shows in the means
     }
@@ -219,7 +219,7 @@ class Run {
       float* z = &logits_(i, 0);
       const auto r = static_cast<std::size_t>(rows_[i]);
       const float k = k_[r], max = row_max_[r], log_sum = stats_.lse[r];
-      const std::int64_t column = targets_.column[r];
+      const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
       if (k == 0.f) {  // ignored rows and empty sequences: no gradient at all
         std::fill(z, z + V, 0.f);
         c_[r] = 0.f;
@@ -245,7 +245,7 @@ class Run {
 #pragma omp parallel for schedule(static)
       for (Eigen::Index i = 0; i < R; ++i) {
         const auto r = static_cast<std::size_t>(rows_[i]);
-        const std::int64_t column = targets_.column[r];
+        const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
         bf16* out = &grad_x_[r * static_cast<std::size_t>(H)];
         const float c = c_[r];
         for (Eigen::Index h = 0; h < H; ++h)
@@ -261,7 +261,7 @@ class Run {
       const auto r = static_cast<std::size_t>(rows_[i]);
       const float c = c_[r];
       if (c == 0.f) continue;
-      const std::int64_t column = targets_.column[r];
+      const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
       grad_weight_.row(column) += c * X.row(i);
       if (bias_gradient) grad_bias_[column] += c;
     }
@@ -288,7 +288,7 @@ class Run {
     }
     for (Eigen::Index i = 0; i < R; ++i) {
       const auto r = static_cast<std::size_t>(rows_[i]);
-      const std::int64_t column = targets_.column[r];
+      const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
       for (Eigen::Index h = 0; h < H; ++h)
         grad_x_[r * static_cast<std::size_t>(H) + h] =
             bf16(c_[r] != 0.f ? parked(i, h) + c_[r] * weight_(column, h) : parked(i, h));

@@ -85,6 +85,26 @@ TEST(Schedule, BudgetDecidesTheChunkRows) {
   EXPECT_THROW(plan(shape, o), InputError);
 }
 
+TEST(Schedule, RowCountPlansLikeTheBudget) {
+  // plan_rows (backends that size their own buffers) cuts where plan() does for the budget of that many rows.
+  Options o;
+  o.workspace_bytes = std::int64_t{1} << 40;  // unread by plan_rows
+  for (const bool gradients : {true, false})
+    for (const std::int64_t rows : {1, 7, 19, 20, 45, 60, 1000}) {
+      o.gradients = gradients;
+      Options budget = o;
+      budget.workspace_bytes = rows * workspace_bytes_per_row(shape, gradients);
+      const Schedule a = plan_rows(shape, rows, o), b = plan(shape, budget);
+      EXPECT_EQ(a.mode, b.mode) << rows;
+      EXPECT_EQ(a.chunk_rows, b.chunk_rows) << rows;
+      EXPECT_EQ(a.chunks.size(), b.chunks.size()) << rows;
+      expect_covers_every_row_once(shape, a);
+    }
+  o.max_chunk_rows = 5;
+  EXPECT_EQ(plan_rows(shape, 45, o).chunk_rows, 5);
+  EXPECT_THROW(plan_rows(shape, 0, o), InputError);
+}
+
 using math::log_sigmoid;
 using math::sigmoid;
 

@@ -196,11 +196,9 @@ int main(int argc, char** argv) {
       problem.x = x.as<__nv_bfloat16>();
       problem.weight = weight.as<__nv_bfloat16>();
       problem.target = target.as<std::int64_t>();
-      problem.targets.column.resize(N);
       problem.targets.n.assign(B, 0);
       for (std::int64_t r = 0; r < N; ++r) {
         const bool completion = host_target[r] != hp.ignore_index;
-        problem.targets.column[r] = completion ? host_target[r] : -1;
         problem.targets.n[r / T] += completion;
         if (completion && r / T < B / 2) ++problem.targets.n_chosen;
       }
