@@ -264,12 +264,22 @@ void draw_chunking(Chooser& ch, std::int64_t N, Case& c) {
   c.workspace_bytes = ch.uniform() < 0.1 ? fused::min_workspace_bytes : fused::default_workspace_bytes;
 }
 
-Case random_case(Chooser& ch) {
+Case random_case(Chooser& ch, const CaseDistribution& d) {
   Case c;
   CaseSpec& s = c.spec;
   s.seed = ch.seed();
-  s.shape = draw_shape(ch);
-  s.hp = draw_hyperparameters(ch, s.shape);
+  s.shape = d.shapes.empty() ? draw_shape(ch)
+                             : d.shapes[static_cast<std::size_t>(ch.below(static_cast<std::int64_t>(d.shapes.size())))];
+  if (d.hyperparameter_sets > 0) {  // set j of this shape, from its own stream: the sweep's seed does not move it
+    const auto j = static_cast<std::uint64_t>(ch.below(d.hyperparameter_sets));
+    const auto dim = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+    Rng hash(j ^ (dim(s.shape.B) << 48) ^ (dim(s.shape.T) << 32) ^ (dim(s.shape.H) << 16) ^ dim(s.shape.V));
+    Rng set_rng(hash.next());  // splitmix's output as the seed: sets of nearby keys do not share a stream
+    RngChooser set_chooser(set_rng);
+    s.hp = draw_hyperparameters(set_chooser, s.shape);
+  } else {
+    s.hp = draw_hyperparameters(ch, s.shape);
+  }
   s.bias = draw_bias(ch);
   s.logit_scale = draw_logit_scale(ch);
   s.ignore = draw_ignore_pattern(ch);
@@ -278,9 +288,9 @@ Case random_case(Chooser& ch) {
   return c;
 }
 
-Case random_case(Rng& rng) {
+Case random_case(Rng& rng, const CaseDistribution& d) {
   RngChooser ch(rng);
-  return random_case(ch);
+  return random_case(ch, d);
 }
 
 }  // namespace simpo::verifier

@@ -76,7 +76,18 @@ double draw_logit_scale(Chooser&);
 IgnorePattern draw_ignore_pattern(Chooser&);
 void draw_chunking(Chooser&, std::int64_t N, Case&);  // max_chunk_rows and workspace_bytes
 
-Case random_case(Chooser&);
-Case random_case(Rng&);
+// Narrowings of the distribution for implementations that pay for every distinct shape or hyperparameter value
+// (a JIT compiler: torch.compile, Triton). The defaults narrow nothing. Values, bias, logit scale, ignore pattern
+// and chunking are drawn as always.
+struct CaseDistribution {
+  // Non-empty: each case's shape is one of these, picked uniformly (instead of draw_shape).
+  std::vector<Shape> shapes;
+  // > 0: each case's hyperparameters are one of this many fixed draws per shape (draw_hyperparameters from a
+  // seed of the set's index and the shape, so the same sets in every sweep); 0: drawn afresh for every case.
+  int hyperparameter_sets = 0;
+};
+
+Case random_case(Chooser&, const CaseDistribution& = {});
+Case random_case(Rng&, const CaseDistribution& = {});
 
 }  // namespace simpo::verifier

@@ -32,7 +32,7 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
   for (std::int64_t i = 0;; ++i) {
     if (options.max_cases > 0 && i >= options.max_cases) break;
     if (options.time_budget_s > 0 && elapsed() >= options.time_budget_s) break;
-    Case c = random_case(rng);
+    Case c = random_case(rng, options.distribution);
     if (!impl.takes_chunking) {  // drawn anyway, so every implementation sees the same stream of problems
       c.max_chunk_rows = 0;
       c.workspace_bytes = fused::default_workspace_bytes;

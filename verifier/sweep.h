@@ -21,6 +21,7 @@ struct SweepOptions {
   bool shrink = true;
   std::string counterexample_dir; // empty: write no files
   Profile profile = strict_profile();  // what matches_reference judges with
+  CaseDistribution distribution;       // narrowings of the case distribution (case.h); default: none
   int shrink_attempts = 300;
   double shrink_seconds = 120;       // per counterexample (an external program that hangs costs a timeout per try)
   std::function<void(std::int64_t cases, std::int64_t failures, double seconds)> progress;  // ~every second

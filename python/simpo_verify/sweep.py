@@ -98,7 +98,7 @@ def _name_of(fn) -> str:
 def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arrays="numpy", device=None,
           time_budget_s=0.0, shrink=True, shrink_attempts=150, shrink_seconds=60.0,
           counterexample_dir="simpo-counterexamples", name=None, stop_at_first_failure=False,
-          verbose_refusals=False) -> SweepReport:
+          verbose_refusals=False, shapes=(), hyperparameter_sets=0) -> SweepReport:
     """Runs `cases` random cases (SPEC's properties against the float64 reference; at most time_budget_s seconds
     when > 0) against fn, shrinking the first failure of each property to a small counterexample whose inputs
     file goes to counterexample_dir ("" writes none).
@@ -110,6 +110,13 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
     profile: the error-model profile matches_reference judges (and shrinks) with: "strict" (bounds derived from
     dtypes and shapes) or "peer" (Liger's atol = rtol = 5e-3). also_judge: further profiles under which every
     case's recorded outputs are judged again, for the report (the smallest failing case is written, unshrunk).
+
+    shapes: (B, T, H, V) tuples; when given, every case's shape is one of them (picked uniformly) instead of drawn,
+    so an implementation that compiles per shape (torch.compile, Triton) pays each compile once. values, bias,
+    ignore pattern, logit scale and hyperparameters are still drawn. hyperparameter_sets: > 0 makes each case's
+    hyperparameters one of that many fixed draws per shape (for an implementation that specializes on their
+    values); 0 draws them for every case. Both are the C++ case distribution's (verifier/case.h,
+    CaseDistribution); the shrinker is not held to them: a shrunk counterexample may have any shape.
     """
     for p in (profile, *also_judge):
         if p not in ("strict", "peer"):
@@ -125,6 +132,12 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
                 traceback.print_exc(file=sys.stderr)
             raise
 
+    shape_list = []
+    for sh in shapes:
+        if len(sh) != 4 or not all(isinstance(v, int) or hasattr(v, "__index__") for v in sh):
+            raise _core.InputError(f"shapes: {sh!r} is not a (B, T, H, V) tuple of integers")
+        shape_list.append(tuple(int(v) for v in sh))
     raw = _core.sweep(case, name, seed, cases, time_budget_s, shrink, counterexample_dir or "",
-                      stop_at_first_failure, profile, judged, shrink_attempts, shrink_seconds)
+                      stop_at_first_failure, profile, judged, shrink_attempts, shrink_seconds, shape_list,
+                      int(hyperparameter_sets))
     return SweepReport(raw, profile)

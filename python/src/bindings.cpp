@@ -13,6 +13,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
@@ -21,6 +22,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cctype>
 #include <cstring>
 #include <filesystem>
@@ -62,8 +64,8 @@ TensorMap tensors_from(const std::map<std::string, WireTensor>& wire) {
 // A Tensor -> (dtype name, shape, numpy array over a heap copy of its bytes: uint16 for BF16, float32, float64,
 // int64). The Python layer views the uint16 as bfloat16.
 template <class T> nb::object numpy_of(const Tensor& t) {
-  auto* copy = new std::vector<std::byte>(t.bytes);
-  nb::capsule owner(copy, [](void* p) noexcept { delete static_cast<std::vector<std::byte>*>(p); });
+  auto* copy = new Tensor::Bytes(t.bytes);
+  nb::capsule owner(copy, [](void* p) noexcept { delete static_cast<Tensor::Bytes*>(p); });
   const std::size_t n = static_cast<std::size_t>(t.numel());
   size_t shape[1] = {n};
   return nb::cast(nb::ndarray<nb::numpy, T>(copy->data(), 1, shape, owner));
@@ -204,7 +206,8 @@ std::string file_part(const std::string& name) {
 nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std::int64_t cases, double time_budget_s,
                bool shrink, const std::string& counterexample_dir, bool stop_at_first_failure,
                const std::string& profile_name, const std::vector<std::string>& also_judge, int shrink_attempts,
-               double shrink_seconds) {
+               double shrink_seconds, const std::vector<std::array<std::int64_t, 4>>& shapes,
+               int hyperparameter_sets) {
   const sv::Profile profile = sv::profile_from_name(profile_name);
   const std::string profile_flags = profile.kind == sv::ProfileKind::strict ? "" : " --profile " + profile.name();
   auto record = also_judge.empty() ? nullptr : std::make_shared<Recorded>();
@@ -216,6 +219,14 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   options.shrink = false;
   options.profile = profile;
   options.stop_at_first_failure = stop_at_first_failure;
+  for (const auto& [B, T, H, V] : shapes) {  // named before any case runs, not as a refusal of every case
+    const simpo::Shape shape{B, T, H, V};
+    simpo::validate_shape(shape);
+    options.distribution.shapes.push_back(shape);
+  }
+  if (hyperparameter_sets < 0)
+    throw InputError("hyperparameter_sets = " + std::to_string(hyperparameter_sets) + ": expected 0 (drawn per case) or more");
+  options.distribution.hyperparameter_sets = hyperparameter_sets;
   nb::dict d;
   nb::list failures;
   {
@@ -483,5 +494,6 @@ NB_MODULE(_core, m) {
       .def("check", &Judge::check, "candidate"_a, "profile"_a, "rtol"_a = 0.0, "atol"_a = 0.0);
 
   m.def("sweep", &sweep, "fn"_a, "name"_a, "seed"_a, "cases"_a, "time_budget_s"_a, "shrink"_a,
-        "counterexample_dir"_a, "stop_at_first_failure"_a, "profile"_a, "also_judge"_a, "shrink_attempts"_a, "shrink_seconds"_a);
+        "counterexample_dir"_a, "stop_at_first_failure"_a, "profile"_a, "also_judge"_a, "shrink_attempts"_a, "shrink_seconds"_a,
+        "shapes"_a, "hyperparameter_sets"_a);
 }

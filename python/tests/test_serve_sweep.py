@@ -111,3 +111,47 @@ def test_sweep_counts_refusals_of_valid_inputs():
 
     r = sv.sweep(refuses_everything, cases=3, seed=1, shrink=False, counterexample_dir="")
     assert r.failed_by_property.get("valid_input_agrees", 0) >= 1 and not r.passed
+
+
+def _recording(calls):
+    from impls import ours
+
+    def fn(x, weight, target, bias=None, *, gradients=True, **hp):
+        B, T, H = x.shape
+        calls.append(((B, T, H, weight.shape[0]), tuple(sorted(hp.items())), bias is not None))
+        return ours(x, weight, target, bias, gradients=gradients, **hp)
+
+    return fn
+
+
+def test_sweep_over_fixed_shapes_and_hyperparameter_sets():
+    """shapes= and hyperparameter_sets= (the C++ CaseDistribution): every case is one of the shapes (or its
+    doubled batch, duplicate_pairs' problem), at most that many hyperparameter sets per shape, and what is
+    still drawn (bias, values) still varies."""
+    shapes = [(2, 3, 5, 7), (4, 2, 3, 11)]
+    calls = []
+    r = sv.sweep(_recording(calls), cases=16, seed=3, shapes=shapes, hyperparameter_sets=2, shrink=False,
+                 counterexample_dir="")
+    assert r.cases == 16 and r.passed, str(r)
+    seen = {s for s, _, _ in calls}
+    assert {s for s in seen if s in shapes} == set(shapes)
+    assert all(s in shapes or (s[0] // 2, *s[1:]) in shapes for s in seen), seen
+    for s in shapes:
+        hps = {hp for shape, hp, _ in calls if shape == s}
+        assert 1 <= len(hps) <= 2, (s, hps)
+    assert len({b for _, _, b in calls}) == 2  # bias still drawn
+    # without them the same seed draws other shapes and a set of hyperparameters per case
+    free = []
+    sv.sweep(_recording(free), cases=16, seed=3, shrink=False, counterexample_dir="")
+    assert len({s for s, _, _ in free} - set(shapes)) > 4
+    assert len({hp for _, hp, _ in free}) > 4
+
+
+def test_sweep_refuses_a_shape_spec_rejects():
+    from impls import ours
+
+    for bad in [(3, 2, 2, 2), (2, 0, 2, 2), (2, 2, 2)]:
+        with pytest.raises(sv.InputError):
+            sv.sweep(ours, cases=1, shapes=[bad], counterexample_dir="")
+    with pytest.raises(sv.InputError, match="hyperparameter_sets"):
+        sv.sweep(ours, cases=1, hyperparameter_sets=-1, counterexample_dir="")
