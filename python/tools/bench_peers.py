@@ -4,6 +4,7 @@ token) at B = 2, 4, 8, 16, with the cuBLAS GEMM floor measured in the same proce
 (schema in python/README.md, "peers.json").
 
     python3 bench_peers.py OUT.json [--batches 2,4,8,16] [--reps 5] [--impls ours,torch_eager,liger,cce]
+                           [--budget S] [--cce-probe]
 
 fwd: the loss alone (no autograd graph: torch.no_grad for the peers, no input requiring grad for ours).
 full: forward + loss.backward(): every gradient, as one training step needs. Times are medians of --reps runs
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from peers import PEERS, _simpo_terms  # noqa: E402,F401
+from peers import _simpo_terms  # noqa: E402
 
 T, H, V = 1024, 4096, 128256
 HP = dict(beta=0.1, gamma=0.5, alpha=1.0, label_smoothing=0.0, compute_nll_loss=True, ignore_index=-100,
@@ -46,7 +47,6 @@ def timed(fn, reps):
 
 def loss_fn(name):
     """-> f(x, w, t) returning the loss (a graph when x, w require grad)."""
-    hp = {k: v for k, v in HP.items() if k != "grad_scale"}
     if name == "ours":
         from simpo_verify.torch import FusedLinearSimPOLoss
 
@@ -58,11 +58,8 @@ def loss_fn(name):
         m = LigerFusedLinearSimPOLoss()
         return lambda x, w, t: m(w, x, t)[0]
     if name in ("torch_eager", "cce", "cce_exact"):
-        peer = PEERS[name]
 
         def f(x, w, t):  # the peers' own graph, without the harness's cloning and backward
-            import peers
-
             if name == "torch_eager":
                 P = x.shape[0] // 2
                 all_logits = (x @ w.t()).float()
@@ -71,19 +68,59 @@ def loss_fn(name):
                 per_token = torch.gather(all_logits.log_softmax(-1), 2, torch.where(mask, t, 0).unsqueeze(2)).squeeze(2)
                 logps = (per_token * mask).sum(-1) / mask.sum(-1)
                 return nll + _simpo_terms(logps[:P], logps[P:], 0.1, 0.5, 0.0)
-            from cut_cross_entropy import linear_cross_entropy
+            return cce_simpo(x, w, t, filter_eps="default" if name == "cce" else None)
 
-            P = x.shape[0] // 2
-            kw = {} if name == "cce" else {"filter_eps": None}
-            tl = linear_cross_entropy(x, w, t, reduction="none", **kw).float()
-            mask = (t != -100).float()
-            logps = -(tl * mask).sum(-1) / mask.sum(-1)
-            nll = (tl[:P] * mask[:P]).sum() / mask[:P].sum()
-            return nll + _simpo_terms(logps[:P], logps[P:], 0.1, 0.5, 0.0)
-
-        del peer, hp
         return f
     raise ValueError(name)
+
+
+def cce_simpo(x, w, t, reduction="none", filter_eps="default"):
+    """CCE's SimPO loss as bench_peers times it; reduction="mean" is CCE's plain cross-entropy (no SimPO term)."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    kw = {} if filter_eps == "default" else {"filter_eps": filter_eps}
+    if reduction == "mean":
+        return linear_cross_entropy(x, w, t, reduction="mean", **kw)
+    P = x.shape[0] // 2
+    tl = linear_cross_entropy(x, w, t, reduction="none", **kw).float()
+    mask = (t != -100).float()
+    logps = -(tl * mask).sum(-1) / mask.sum(-1)
+    nll = (tl[:P] * mask[:P]).sum() / mask[:P].sum()
+    return nll + _simpo_terms(logps[:P], logps[P:], 0.1, 0.5, 0.0)
+
+
+def full_step_ms(f, x, w, t, reps):
+    """forward + backward of f, gradients allocated in the steady state, one untimed step first."""
+    xg = x.detach().requires_grad_(True)
+    wg = w.detach().requires_grad_(True)
+
+    def step():
+        xg.grad, wg.grad = None, None
+        f(xg, wg, t).backward()
+
+    step()
+    torch.cuda.synchronize()
+    return timed(step, reps)
+
+
+def cce_probe(x, w, t, reps):
+    """Why CCE's full step is slower here than in ANCHORS.md: the same step timed twice in a row (autotune or a
+    first-call cost would show as a difference), with reduction="mean" (CCE's own loss), with logits ten times
+    smaller (CCE skips gradient blocks whose |softmax - onehot| is below filter_eps everywhere, so its backward
+    depends on the values), and with filter_eps=None (no skipping)."""
+    import cut_cross_entropy.tl_autotune as cta
+
+    probe = {"autotune_enabled": bool(getattr(cta, "_AUTOTUNE", False)), "B": x.shape[0],
+             "logit_std": float((x[0, :64].float() @ w.float().t()).std())}
+    probe["full_ms"] = full_step_ms(cce_simpo, x, w, t, reps)
+    probe["full_ms_again"] = full_step_ms(cce_simpo, x, w, t, reps)
+    probe["full_mean_reduction_ms"] = full_step_ms(lambda a, b, c: cce_simpo(a, b, c, "mean"), x, w, t, reps)
+    w_small = (w.float() * 0.1).to(torch.bfloat16)
+    probe["full_logits_x0.1_ms"] = full_step_ms(cce_simpo, x, w_small, t, reps)
+    probe["full_no_filter_ms"] = full_step_ms(lambda a, b, c: cce_simpo(a, b, c, filter_eps=None), x, w, t, reps)
+    with torch.no_grad():
+        probe["fwd_ms"] = timed(lambda: cce_simpo(x, w, t), reps)
+    return probe
 
 
 def gemm_floor(x, w, reps):
@@ -103,6 +140,7 @@ def main():
     a.add_argument("--reps", type=int, default=5)
     a.add_argument("--impls", default="ours,torch_eager,liger,cce")
     a.add_argument("--budget", type=float, default=0, help="stop starting new rows after this many seconds")
+    a.add_argument("--cce-probe", action="store_true", help="first: cce_probe() at B = 2 (result's cce_probe)")
     args = a.parse_args()
     impls = args.impls.split(",")
     t_start = time.time()
@@ -120,6 +158,17 @@ def main():
         "peers": {},
         "floor": {"B": [], "fwd_ms": [], "full_ms": []},
     }
+    if args.cce_probe:
+        gp = torch.Generator(device="cuda").manual_seed(1)  # its own inputs: the rows' stream stays as it was
+        x = torch.randn(2, T, H, device="cuda", generator=gp).to(torch.bfloat16)
+        t = torch.randint(0, V, (2, T), device="cuda", generator=gp)
+        try:
+            result["cce_probe"] = cce_probe(x, w, t, args.reps)
+        except Exception as e:
+            result["cce_probe"] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"cce probe: {result['cce_probe']}", flush=True)
+        del x, t
+        torch.cuda.empty_cache()
     for B in [int(b) for b in args.batches.split(",")]:
         if args.budget and time.time() - t_start > args.budget:
             break

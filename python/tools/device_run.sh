@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The device proofs of python/README.md in one call (the lent H200): install the carried wheels, then
-#   1. in parallel: the five peers' sweeps, Liger's SimPO tests with our module in place of Liger's (and with
-#      Liger's own, for comparison), and this package's pytest (torch and CUDA tests included);
-#   2. the benchmark, alone on the GPU;
-#   3. the published workload as one case for every peer.
+#   1. in parallel: the five peers' sweeps over the fixed shapes (sweep_peer.py --fixed: one compile per shape and
+#      hyperparameter set for Liger and CCE), ours and torch eager over the sweep's own distribution as well,
+#      Liger's SimPO tests with our module in place of Liger's, this package's pytest (torch and CUDA tests
+#      included), the published workload as one case for every peer, and a one-rep benchmark of Liger and CCE at
+#      B = 2, 4 that fills the compile caches (torch.compile's FX graph and Triton caches are on disk) for stage 2;
+#   2. the CCE probe, then the benchmark at B = 2, 4, 8, 16, alone on the GPU (bench_peers.py --cce-probe).
 # Carried (ignored folders): .whl (simpo_verify cp312 wheel, liger-kernel, cut-cross-entropy), .pylibs (the
 # extension's Debian shared libraries: OpenBLAS, MPFR, ...), .liger-test (Liger-Kernel's test files).
 # Every stage has a deadline; what finished is in $OUT whatever happens later.
 set -u
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=3 OPENBLAS_NUM_THREADS=3
-SWEEP_BUDGET=${SWEEP_BUDGET:-25} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-22}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
+SWEEP_BUDGET=${SWEEP_BUDGET:-120} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-90} REPS=${REPS:-10}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The extension's Debian libraries, where the image lacks them; CUDA's from the toolkit or torch's wheels.
 mkdir -p /tmp/pylibs
@@ -27,21 +29,27 @@ date -u; nvidia-smi -L
 python3 -c "import simpo_verify as sv, torch; print('simpo_verify', sv.__file__, 'cuda backend', sv.cuda_available(), 'torch', torch.__version__)" || exit 1
 
 start=$(date +%s)
+stage1=$((SWEEP_BUDGET + 50))
 for p in ours torch_eager liger cce cce_exact; do
-  timeout $((SWEEP_BUDGET + 25)) python3 python/tools/sweep_peer.py $p $R --cases $CASES --budget $SWEEP_BUDGET \
+  timeout $stage1 python3 python/tools/sweep_peer.py $p $R --fixed --cases $CASES --budget $SWEEP_BUDGET \
+    --shrink-seconds 20 > $R/sweep-$p-fixed.log 2>&1 &
+done
+for p in ours torch_eager; do
+  timeout $stage1 python3 python/tools/sweep_peer.py $p $R --cases $CASES --budget $SWEEP_BUDGET \
     > $R/sweep-$p.log 2>&1 &
 done
-for t in ours loss; do  # Liger's file with our module in place of Liger's, and as Liger ships it
-  (cd .liger-test && timeout $((SWEEP_BUDGET + 20)) python3 -m pytest -v -p no:cacheprovider --no-header \
-     test/chunked_loss/test_simpo_$t.py --junitxml=$R/liger-$t.xml > $R/liger-$t.log 2>&1) &
-done
-timeout $((SWEEP_BUDGET + 20)) python3 -m pytest -q -p no:cacheprovider python/tests > $R/pytest.log 2>&1 &
+(cd .liger-test && timeout $stage1 python3 -m pytest -v -p no:cacheprovider --no-header \
+   test/chunked_loss/test_simpo_ours.py --junitxml=$R/liger-ours.xml > $R/liger-ours.log 2>&1) &
+timeout $stage1 python3 -m pytest -q -p no:cacheprovider python/tests > $R/pytest.log 2>&1 &
+OMP_NUM_THREADS=6 OPENBLAS_NUM_THREADS=6 timeout $stage1 python3 python/tools/published_case.py $R > $R/published.log 2>&1 &
+timeout $stage1 python3 python/tools/bench_peers.py $R/warm.json --batches 2,4 --impls liger,cce --reps 1 --cce-probe \
+  > $R/warm.log 2>&1 &
 wait
-echo "stage 1: $(( $(date +%s) - start )) s"; tail -n 3 $R/pytest.log $R/liger-*.log; grep -h "cases in" $R/sweep-*.log
+echo "stage 1: $(( $(date +%s) - start )) s"
+tail -n 3 $R/pytest.log $R/liger-ours.log; grep -h -E "cases in|^wall|liger compiles" $R/sweep-*.log
+grep -E "^(generate|ours|torch_eager|liger|cce)" $R/published.log
 
-OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout $((BENCH_BUDGET + 15)) python3 python/tools/bench_peers.py $R/peers.json --budget $BENCH_BUDGET --reps 3
+OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout $((BENCH_BUDGET + 50)) python3 python/tools/bench_peers.py \
+  $R/peers.json --budget $BENCH_BUDGET --reps $REPS --cce-probe
 echo "stage 2: $(( $(date +%s) - start )) s"
-OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout 35 python3 python/tools/published_case.py $R > $R/published.log 2>&1
-grep -E "^(reference|ours|torch_eager|liger|cce)" $R/published.log
-echo "stage 3: $(( $(date +%s) - start )) s"
 cp $R/peers.json $R/published.json $OUT/ 2>/dev/null; tar czf $OUT/results.tgz -C $R . && rm -rf $R; ls -la $OUT
