@@ -64,8 +64,9 @@ TensorMap tensors_from(const std::map<std::string, WireTensor>& wire) {
 // A Tensor -> (dtype name, shape, numpy array over a heap copy of its bytes: uint16 for BF16, float32, float64,
 // int64). The Python layer views the uint16 as bfloat16.
 template <class T> nb::object numpy_of(const Tensor& t) {
-  auto* copy = new Tensor::Bytes(t.bytes);
-  nb::capsule owner(copy, [](void* p) noexcept { delete static_cast<Tensor::Bytes*>(p); });
+  using Bytes = decltype(Tensor::bytes);  // a vector of bytes (its allocator is problem/tensor.h's business)
+  auto* copy = new Bytes(t.bytes);
+  nb::capsule owner(copy, [](void* p) noexcept { delete static_cast<Bytes*>(p); });
   const std::size_t n = static_cast<std::size_t>(t.numel());
   size_t shape[1] = {n};
   return nb::cast(nb::ndarray<nb::numpy, T>(copy->data(), 1, shape, owner));
