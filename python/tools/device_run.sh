@@ -12,7 +12,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
-SWEEP_BUDGET=${SWEEP_BUDGET:-120} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-90} REPS=${REPS:-10}
+SWEEP_BUDGET=${SWEEP_BUDGET:-100} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-90} REPS=${REPS:-10}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The extension's Debian libraries, where the image lacks them; CUDA's from the toolkit or torch's wheels.
 mkdir -p /tmp/pylibs
@@ -29,10 +29,10 @@ date -u; nvidia-smi -L
 python3 -c "import simpo_verify as sv, torch; print('simpo_verify', sv.__file__, 'cuda backend', sv.cuda_available(), 'torch', torch.__version__)" || exit 1
 
 start=$(date +%s)
-stage1=$((SWEEP_BUDGET + 50))
+stage1=$((SWEEP_BUDGET + 80))  # cases, then up to 10 s of shrinking per failing property, then re-judging
 for p in ours torch_eager liger cce cce_exact; do
   timeout $stage1 python3 python/tools/sweep_peer.py $p $R --fixed --cases $CASES --budget $SWEEP_BUDGET \
-    --shrink-seconds 20 > $R/sweep-$p-fixed.log 2>&1 &
+    --shrink-seconds 10 > $R/sweep-$p-fixed.log 2>&1 &
 done
 for p in ours torch_eager; do
   timeout $stage1 python3 python/tools/sweep_peer.py $p $R --cases $CASES --budget $SWEEP_BUDGET \
