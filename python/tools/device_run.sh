@@ -12,7 +12,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
-SWEEP_BUDGET=${SWEEP_BUDGET:-100} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-90} REPS=${REPS:-10}
+SWEEP_BUDGET=${SWEEP_BUDGET:-75} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-55} REPS=${REPS:-10}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The extension's Debian libraries, where the image lacks them; CUDA's from the toolkit or torch's wheels.
 mkdir -p /tmp/pylibs
@@ -29,14 +29,14 @@ date -u; nvidia-smi -L
 python3 -c "import simpo_verify as sv, torch; print('simpo_verify', sv.__file__, 'cuda backend', sv.cuda_available(), 'torch', torch.__version__)" || exit 1
 
 start=$(date +%s)
-stage1=$((SWEEP_BUDGET + 80))  # cases, then up to 10 s of shrinking per failing property, then re-judging
+stage1=$((SWEEP_BUDGET + 55))  # cases, then up to 8 s of shrinking per failing property, then re-judging
 for p in ours torch_eager liger cce cce_exact; do
   timeout $stage1 python3 python/tools/sweep_peer.py $p $R --fixed --cases $CASES --budget $SWEEP_BUDGET \
-    --shrink-seconds 10 > $R/sweep-$p-fixed.log 2>&1 &
+    --shrink-seconds 8 > $R/sweep-$p-fixed.log 2>&1 &
 done
 for p in ours torch_eager; do
   timeout $stage1 python3 python/tools/sweep_peer.py $p $R --cases $CASES --budget $SWEEP_BUDGET \
-    > $R/sweep-$p.log 2>&1 &
+    --shrink-seconds 8 > $R/sweep-$p.log 2>&1 &
 done
 (cd .liger-test && timeout $stage1 python3 -m pytest -v -p no:cacheprovider --no-header \
    test/chunked_loss/test_simpo_ours.py --junitxml=$R/liger-ours.xml > $R/liger-ours.log 2>&1) &
@@ -49,7 +49,7 @@ echo "stage 1: $(( $(date +%s) - start )) s"
 tail -n 3 $R/pytest.log $R/liger-ours.log; grep -h -E "cases in|^wall|liger compiles" $R/sweep-*.log
 grep -E "^(generate|ours|torch_eager|liger|cce)" $R/published.log
 
-OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout $((BENCH_BUDGET + 50)) python3 python/tools/bench_peers.py \
+OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout $((BENCH_BUDGET + 45)) python3 python/tools/bench_peers.py \
   $R/peers.json --budget $BENCH_BUDGET --reps $REPS --cce-probe
 echo "stage 2: $(( $(date +%s) - start )) s"
 cp $R/peers.json $R/published.json $OUT/ 2>/dev/null; tar czf $OUT/results.tgz -C $R . && rm -rf $R; ls -la $OUT
