@@ -39,8 +39,10 @@ struct Rng {
   std::uint64_t state;
   explicit Rng(std::uint64_t seed) : state(seed) {}
   std::uint64_t next();
+  // As if `draws` calls of next() had been made: splitmix64's state only counts, so this is one multiply.
+  void skip(std::uint64_t draws) { state += draws * 0x9E3779B97F4A7C15ull; }
   double uniform();                 // [0, 1)
-  double normal();                  // N(0, 1), Box-Muller
+  double normal();                  // N(0, 1), Box-Muller: two draws of next()
   std::int64_t below(std::int64_t n);  // [0, n)
 };
 

@@ -1,5 +1,7 @@
 #include "problem/tensor.h"
 
+#include <algorithm>
+
 #include "problem/problem.h"
 
 namespace simpo {
@@ -60,8 +62,20 @@ std::int64_t checked_numel(const std::vector<std::int64_t>& shape, std::size_t e
   return n;
 }
 
-Tensor::Tensor(DType dtype_, std::vector<std::int64_t> shape_) : dtype(dtype_), shape(std::move(shape_)) {
-  bytes.assign(static_cast<std::size_t>(checked_numel(shape, dtype_size(dtype))) * dtype_size(dtype), std::byte{0});
+Tensor Tensor::uninitialized(DType dtype, std::vector<std::int64_t> shape) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  t.bytes.resize(static_cast<std::size_t>(checked_numel(t.shape, dtype_size(dtype))) * dtype_size(dtype));
+  return t;
+}
+
+Tensor::Tensor(DType dtype_, std::vector<std::int64_t> shape_) : Tensor(uninitialized(dtype_, std::move(shape_))) {
+  const auto n = static_cast<std::int64_t>(bytes.size());
+  constexpr std::int64_t block = std::int64_t{1} << 22;
+#pragma omp parallel for schedule(static) if (n > 4 * block)
+  for (std::int64_t b0 = 0; b0 < n; b0 += block)
+    std::memset(bytes.data() + b0, 0, static_cast<std::size_t>(std::min(block, n - b0)));
 }
 
 std::int64_t Tensor::numel() const { return checked_numel(shape); }

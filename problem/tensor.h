@@ -12,6 +12,8 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace simpo {
@@ -37,13 +39,30 @@ std::int64_t checked_numel(const std::vector<std::int64_t>& shape, std::size_t e
 // Row-major multi-index of flat index i: "(0, 1, 3)"; "()" for a scalar. How errors name an element.
 std::string index_string(std::int64_t i, const std::vector<std::int64_t>& shape);
 
+// std::allocator, except that resize() leaves new bytes as they are (default-initialized) instead of writing
+// zeros: a gradient of 4.2 GB that is about to be overwritten is not first zeroed on one core (page faults and
+// all, ~1 s).
+template <class T> struct DefaultInitAllocator : std::allocator<T> {
+  template <class U> struct rebind { using other = DefaultInitAllocator<U>; };
+  DefaultInitAllocator() = default;
+  template <class U> DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <class U> void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) { ::new (static_cast<void*>(p)) U; }
+  template <class U, class... Args> void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
 struct Tensor {
+  using Bytes = std::vector<std::byte, DefaultInitAllocator<std::byte>>;
   DType dtype = DType::F64;
   std::vector<std::int64_t> shape;  // empty: a scalar of one element
-  std::vector<std::byte> bytes;
+  Bytes bytes;
 
   Tensor() = default;
-  Tensor(DType dtype, std::vector<std::int64_t> shape);  // zero-filled
+  Tensor(DType dtype, std::vector<std::int64_t> shape);  // zero-filled (in parallel when large)
+  // For a writer that overwrites every byte (a GEMM's output, a copy from the device): no zeroing pass. Its
+  // pages are touched first by that writer, on as many threads as it uses.
+  static Tensor uninitialized(DType dtype, std::vector<std::int64_t> shape);
 
   template <class T> static Tensor from(std::vector<std::int64_t> shape, std::span<const T> values);
   template <class T> static Tensor scalar(T value) { return from<T>({}, std::span<const T>(&value, 1)); }
@@ -66,7 +85,7 @@ using TensorMap = std::map<std::string, Tensor>;
 void check_dtype(const Tensor&, DType wanted);
 
 template <class T> Tensor Tensor::from(std::vector<std::int64_t> shape, std::span<const T> values) {
-  Tensor t(dtype_of<T>(), std::move(shape));
+  Tensor t = uninitialized(dtype_of<T>(), std::move(shape));
   if (static_cast<std::size_t>(t.numel()) != values.size())
     throw std::logic_error("Tensor::from: " + std::to_string(values.size()) + " values for shape " + shape_string(t.shape));
   std::memcpy(t.bytes.data(), values.data(), values.size_bytes());

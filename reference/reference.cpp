@@ -250,7 +250,12 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
   };
 
   // dz = k (onehot - softmax), in place. The target entry is k (1 - p) = -k expm1(l): exact even where p rounds
-  // to 1 (large logits), where 1 - p would lose every digit.
+  // to 1 (large logits), where 1 - p would lose every digit. On the way, the off-target softmax's norm and maximum.
+  OffTargetSoftmax* off_target = options.off_target;
+  if (off_target) {
+    off_target->norm.assign(static_cast<std::size_t>(N), 0.0);
+    off_target->max.assign(static_cast<std::size_t>(N), 0.0);
+  }
   auto logit_gradient = [&](const Piece& piece) {
 #pragma omp parallel for schedule(static)
     for (std::int64_t r = 0; r < piece.rows; ++r) {
@@ -262,8 +267,18 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
         continue;
       }
       const double lse_r = lse[row];
-      for (std::int64_t v = 0; v < V; ++v) z[v] = -kr * f.exp(z[v] - lse_r);
-      z[in.target[row]] = -kr * f.expm1(logprob[row]);
+      const std::int64_t t = in.target[row];
+      double off_sq = 0, off_max = 0;
+      for (std::int64_t v = 0; v < V; ++v) {
+        const double p = f.exp(z[v] - lse_r);
+        if (v != t) off_sq += p * p, off_max = std::max(off_max, p);
+        z[v] = -kr * p;
+      }
+      z[t] = -kr * f.expm1(logprob[row]);
+      if (off_target) {
+        off_target->norm[static_cast<std::size_t>(row)] = std::sqrt(off_sq);
+        off_target->max[static_cast<std::size_t>(row)] = off_max;
+      }
     }
   };
 
@@ -363,8 +378,8 @@ std::int64_t required_bytes(const Shape& s, bool bias, const Options& options) {
   const std::int64_t f64 = static_cast<std::int64_t>(sizeof(double));
   // reference-cuda keeps the inputs and the logits on the device: the host holds the float64 gradients and a few
   // numbers per row.
-  if (options.device == Device::cuda && !options.reproducible) return (options.gradients ? values * f64 : 0) + 5 * s.N() * f64;
-  return values * f64 * (options.gradients ? 2 : 1) + plan(s, options).buffer_rows * s.V * f64 + 5 * s.N() * f64;
+  if (options.device == Device::cuda && !options.reproducible) return (options.gradients ? values * f64 : 0) + 7 * s.N() * f64;
+  return values * f64 * (options.gradients ? 2 : 1) + plan(s, options).buffer_rows * s.V * f64 + 7 * s.N() * f64;
 }
 
 TensorMap compute(const Problem& problem, const Options& options) {
@@ -384,9 +399,10 @@ TensorMap compute(const Problem& problem, const Options& options) {
   GradientOutputs gradients;
   if (options.gradients) {
     // The gradients are written straight into the output tensors: grad_weight alone is V*H*8 bytes (4.2 GB for
-    // the published workload), too much to copy.
+    // the published workload), too much to copy, or even to zero first (every path overwrites each element: the
+    // first grad_W product has beta = 0, every row's grad_x is one product, grad_bias is zeroed before it adds).
     auto make = [&](const char* name) -> std::span<double> {
-      Tensor& t = out[name] = Tensor(DType::F64, output_shape(s, name));
+      Tensor& t = out[name] = Tensor::uninitialized(DType::F64, output_shape(s, name));
       return t.as<double>();
     };
     gradients.x = make(output_name::grad_x);

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace simpo::reference {
 
@@ -21,6 +22,14 @@ Device resolve(Device);                        // automatic -> cuda or cpu; cuda
 // so every reference run of that command, wherever the verifier makes its Options, follows it).
 Device default_device();
 void set_default_device(Device);
+
+// What the verifier's error model needs from the exact softmax of each row (verifier/error_bounds.cpp), which
+// would otherwise recompute every row's logits (O(N H V), the cost of a third of the reference). The reference has
+// them in hand in its dz pass. Rows whose dz is zero (ignored tokens, k = 0) are left 0.
+struct OffTargetSoftmax {
+  std::vector<double> norm;  // [N] sqrt(sum over v != target of p_v^2)
+  std::vector<double> max;   // [N] max over v != target of p_v
+};
 
 struct Options {
   bool gradients = true;  // false: loss and auxiliary outputs only
@@ -38,6 +47,8 @@ struct Options {
   std::int64_t chunk_rows = 0;
   // Called with the fraction done; the CLI prints it on stderr for long runs. May be empty.
   std::function<void(double)> progress;
+  // With gradients on: where to put the rows' off-target softmax (resized to N), or null.
+  OffTargetSoftmax* off_target = nullptr;
 };
 
 // Host memory compute() takes for this shape beyond the problem itself. CPU: the inputs widened to float64, the

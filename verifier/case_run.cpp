@@ -1,5 +1,7 @@
 #include "verifier/case_run.h"
 
+#include "reference/reference.h"
+
 #include <stdexcept>
 
 namespace simpo::verifier {
@@ -13,7 +15,7 @@ const Problem& CaseRun::problem() {
 }
 
 const ProblemScales& CaseRun::scales() {
-  if (!scales_) scales_ = ProblemScales::of(problem(), spec_rejects() ? nullptr : &exact());
+  if (!scales_) scales_ = spec_rejects() ? ProblemScales::of(problem()) : ProblemScales::of(problem(), &exact(), &off_target_);
   return *scales_;
 }
 
@@ -21,7 +23,10 @@ bool CaseRun::spec_rejects() {
   if (!reference_ran_) {
     reference_ran_ = true;
     try {
-      exact_ = reference_implementation().compute(problem(), RunOptions{});
+      // The oracle, with the by-product the error model needs (so the scales cost O(N), not O(N H V)).
+      reference::Options options;
+      options.off_target = &off_target_;
+      exact_ = reference::compute(problem(), options);
     } catch (const InputError& e) {
       spec_error_ = e.what();
     }

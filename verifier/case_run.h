@@ -33,6 +33,7 @@ class CaseRun {
   std::optional<Problem> problem_;
   std::optional<ProblemScales> scales_;
   std::optional<TensorMap> exact_, candidate_;
+  reference::OffTargetSoftmax off_target_;
   std::optional<std::string> spec_error_;
   bool reference_ran_ = false;
 };

@@ -6,11 +6,12 @@
 namespace simpo::verifier {
 
 TensorMap reference_outputs_for(const Problem& problem, bool gradients, const std::string& path,
-                                const std::function<void(double)>& progress) {
+                                const std::function<void(double)>& progress, reference::OffTargetSoftmax* off_target) {
   if (path.empty()) {
     reference::Options options;
     options.gradients = gradients;
     options.progress = progress;
+    options.off_target = off_target;
     return reference::compute(problem, options);
   }
   validate(problem);  // SPEC's verdict on the inputs comes first, as when computing

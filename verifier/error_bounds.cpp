@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
 #include <utility>
 
 namespace simpo::verifier {
@@ -107,6 +108,28 @@ struct OffTarget {
   std::vector<double> q;          // ||p_off[r]||, widened
   std::vector<char> saturated;    // some off-target p_v >= 1/2: see ProblemScales::of
 };
+// q widened by the fp32 logits' derived error (the bound the fp32 recomputation below needs; kept for the exact
+// source too, so a bound does not depend on where q came from).
+double widened(double off_norm, double logprob_error) {
+  return std::min(1.0, off_norm * (1 + 2 * logprob_error) + 2 * logprob_error);
+}
+
+// From the reference's exact softmax: O(N).
+OffTarget off_target_mass(const Problem& p, const reference::OffTargetSoftmax& exact, double logprob_error) {
+  const auto n = static_cast<std::size_t>(p.shape.N());
+  if (exact.norm.size() != n || exact.max.size() != n)
+    throw std::logic_error("ProblemScales::of: the off-target softmax has " + std::to_string(exact.norm.size()) + " rows, the problem " +
+                           std::to_string(n));
+  OffTarget out;
+  out.q.assign(n, 1.0);
+  out.saturated.assign(n, 0);
+  for (std::size_t r = 0; r < n; ++r) {
+    out.q[r] = widened(exact.norm[r], logprob_error);
+    out.saturated[r] = exact.max[r] >= 0.5;
+  }
+  return out;
+}
+
 OffTarget off_target_mass(const Problem& p, double logprob_error) {
   const Shape& s = p.shape;
   OffTarget out;
@@ -143,7 +166,7 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
           off_max = std::max(off_max, p2);
         }
       out.saturated[static_cast<std::size_t>(r)] = std::sqrt(off_max) >= 0.5;
-      q[static_cast<std::size_t>(r)] = std::min(1.0, std::sqrt(off_sq) * (1 + 2 * logprob_error) + 2 * logprob_error);
+      q[static_cast<std::size_t>(r)] = widened(std::sqrt(off_sq), logprob_error);
     }
   }
   return out;
@@ -151,7 +174,7 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
 
 }  // namespace
 
-ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
+ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact, const reference::OffTargetSoftmax* off_target) {
   ProblemScales s;
   s.shape = p.shape;
   s.hp = p.hp;
@@ -165,9 +188,11 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
     }
     return std::sqrt(sq);
   };
-  double max_x = 0, max_w = 0, max_bias = 0;
+  double max_x = 0, max_w = 0, max_bias = 0;  // maxima of per-row sums: the same on any number of threads
   std::vector<double> x_norm(static_cast<std::size_t>(sh.N()));
+#pragma omp parallel for schedule(static) reduction(max : max_x)
   for (std::int64_t r = 0; r < sh.N(); ++r) max_x = std::max(max_x, x_norm[static_cast<std::size_t>(r)] = row_norm(p.x, r));
+#pragma omp parallel for schedule(static) reduction(max : max_w)
   for (std::int64_t v = 0; v < sh.V; ++v) max_w = std::max(max_w, row_norm(p.weight, v));
   if (p.bias)
     for (auto b : *p.bias) max_bias = std::max(max_bias, std::fabs(static_cast<double>(static_cast<float>(b))));
@@ -202,7 +227,7 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact) {
       if (p.is_completion(b, t)) ++n[static_cast<std::size_t>(b)], chosen_tokens += b < P;
   const double nll_weight =
       hp.compute_nll_loss && chosen_tokens > 0 ? hp.alpha / static_cast<double>(chosen_tokens) : 0.0;
-  const OffTarget off = off_target_mass(p, s.logprob_error());
+  const OffTarget off = off_target ? off_target_mass(p, *off_target, s.logprob_error()) : off_target_mass(p, s.logprob_error());
   const std::vector<double>& q = off.q;
   // Rows whose softmax is peaked on one wrong token (p_v >= 1/2) put k p_v, nearly the same number for every
   // such row of a sequence (one k, p_v near 1), into bf16: their rounding errors are nearly one error,

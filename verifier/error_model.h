@@ -18,6 +18,7 @@
 #pragma once
 
 #include "problem/problem.h"
+#include "reference/reference.h"
 
 #include <cstdint>
 #include <string>
@@ -58,8 +59,10 @@ struct ProblemScales {
   // The same with |k[r]| replaced by |k[r]| q[r], q[r] = ||p_off[r]|| = sqrt(sum_{v != target} p_v^2): the
   // norm of row r's dz elements that go through bf16 (the target column's k (1 - p_t) stays fp32, computed
   // with expm1). Rounding the target column to bf16 (a bug class, ANCHORS) costs ~ u |k| p_t instead, which is
-  // what makes it visible when p_t is near 1. q comes from fp32 logits recomputed here (O(N H V)), widened by
-  // their derived error so it stays an upper bound.
+  // what makes it visible when p_t is near 1. q comes from the reference's exact softmax when it is given
+  // (reference::OffTargetSoftmax, a by-product of its dz pass), else from fp32 logits recomputed here (O(N H V),
+  // the cost of a third of the reference); either is widened by the fp32 logits' derived error, so the bound is
+  // the same whichever source gave it.
   double operand_grad_x = 0, operand_grad_weight = 0, operand_grad_bias = 0;
   // Per token row r (0 at ignored rows): |k[r]| and q[r], and max_v ||w_v||, for the per-row check of grad_x:
   // its rows are independent sums over the vocabulary, so a bug confined to a few rows (a token whose target
@@ -83,7 +86,8 @@ struct ProblemScales {
   double k_error(const std::string& output_name) const;
   // The error of the fp32 token log-prob (README derivation), which also perturbs each dz by |k| e_l.
   double logprob_error() const;
-  static ProblemScales of(const Problem&, const TensorMap* exact = nullptr);
+  static ProblemScales of(const Problem&, const TensorMap* exact = nullptr,
+                          const reference::OffTargetSoftmax* off_target = nullptr);
 };
 
 // The Frobenius norm of the error an fp32-accumulating implementation with bf16 GEMM operands may make in

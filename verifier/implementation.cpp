@@ -34,18 +34,20 @@ Implementation make_implementation(std::string name, std::function<TensorMap(con
 }
 
 Implementation reference_implementation() {
-  return make_implementation("reference", [](const Problem& problem, const RunOptions& run) {
+  Implementation impl = make_implementation("reference", [](const Problem& problem, const RunOptions& run) {
     reference::Options options;
     options.gradients = run.gradients;
     options.chunk_rows = run.max_chunk_rows;
     return reference::compute(problem, options);
   });
+  impl.concurrent = true;
+  return impl;
 }
 
 Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant) {
   std::string name = fused::backend_name(backend);
   if (mutant != fused::Mutant::none) name.append("+").append(fused::mutant_name(mutant));  // (GCC 12 -Wrestrict misfires on "+" + string)
-  return make_implementation(name, [backend, mutant](const Problem& problem, const RunOptions& run) {
+  Implementation impl = make_implementation(name, [backend, mutant](const Problem& problem, const RunOptions& run) {
     fused::Options options;
     options.backend = backend;
     options.gradients = run.gradients;
@@ -55,6 +57,8 @@ Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant
     options.mutant = mutant;
     return fused::compute(problem, options);
   });
+  impl.concurrent = true;  // each call owns its buffers (and on cuda its stream)
+  return impl;
 }
 
 std::vector<Implementation> available_implementations() {
@@ -71,14 +75,17 @@ Implementation implementation_by_name(const std::string& name, const Implementat
   validate(options);
   if (name.rfind("exec:", 0) == 0) return exec_implementation(name.substr(5), options);
   if (name == "reference") return reference_implementation();
-  if (name == "reference-cuda")  // SPEC: the float64 reference on the GPU (an InputError naming why where it cannot run)
-    return make_implementation("reference-cuda", [](const Problem& problem, const RunOptions& run) {
+  if (name == "reference-cuda") {  // SPEC: the float64 reference on the GPU (an InputError naming why where it cannot run)
+    Implementation impl = make_implementation("reference-cuda", [](const Problem& problem, const RunOptions& run) {
       reference::Options options;
       options.device = reference::Device::cuda;
       options.gradients = run.gradients;
       options.chunk_rows = run.max_chunk_rows;
       return reference::compute(problem, options);
     });
+    impl.concurrent = true;  // one stream and cuBLAS handle per thread
+    return impl;
+  }
   if (name == "auto") return best_available();
   const auto plus = name.find('+');
   const fused::Backend backend = fused::backend_from_name(name.substr(0, plus));

@@ -48,6 +48,9 @@ struct Implementation {
   // Whether max_chunk_rows and workspace_bytes reach the implementation. An external program cannot be given
   // them, so the properties that vary them are skipped for it (and the sweep draws no chunk caps for it).
   bool takes_chunking = true;
+  // Whether compute may run on several threads at once (the sweep judges cases in parallel when it may). Our
+  // implementations may; an external program (one process, one pipe) may not.
+  bool concurrent = false;
 };
 
 // Wraps `compute` so that it validates its RunOptions first (every Implementation is made through this).

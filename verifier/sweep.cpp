@@ -1,9 +1,14 @@
 #include "verifier/sweep.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <exception>
+#include <optional>
 #include <sstream>
+#include <thread>
+#include <vector>
 
 namespace simpo::verifier {
 
@@ -29,21 +34,67 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
   double last_progress = 0;
   SweepResult result;
   Rng rng(options.seed);
+  const int threads = !impl.concurrent ? 1
+                      : options.threads > 0 ? options.threads
+                                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // A batch of cases judged in parallel: a few per thread, so a slow case does not leave the others idle for long,
+  // and few enough that the time budget is overrun by about one batch.
+  const std::int64_t batch_size = threads == 1 ? 1 : 2 * std::int64_t{threads};
+  struct Judged {
+    Case c;
+    std::vector<Outcome> outcomes;
+    std::optional<Report> strict_report;
+  };
+  std::vector<Judged> batch;
+  std::size_t next = 0;  // batch[next] is the next case to account for
   for (std::int64_t i = 0;; ++i) {
     if (options.max_cases > 0 && i >= options.max_cases) break;
-    if (options.time_budget_s > 0 && elapsed() >= options.time_budget_s) break;
-    Case c = random_case(rng, options.distribution);
-    if (!impl.takes_chunking) {  // drawn anyway, so every implementation sees the same stream of problems
-      c.max_chunk_rows = 0;
-      c.workspace_bytes = fused::default_workspace_bytes;
+    if (next == batch.size()) {  // judge the next batch
+      if (options.time_budget_s > 0 && elapsed() >= options.time_budget_s) break;
+      const std::int64_t n = options.max_cases > 0 ? std::min(batch_size, options.max_cases - i) : batch_size;
+      batch.assign(static_cast<std::size_t>(n), {});
+      for (Judged& j : batch) {
+        j.c = random_case(rng, options.distribution);
+        if (!impl.takes_chunking) {  // drawn anyway, so every implementation sees the same stream of problems
+          j.c.max_chunk_rows = 0;
+          j.c.workspace_bytes = fused::default_workspace_bytes;
+        }
+      }
+      auto judge = [&](Judged& j) {
+        CaseRun run(j.c, impl, options.profile);
+        j.outcomes = check_case(run, {}, options.stop_at_first_failure);
+        j.strict_report = std::move(run.strict_report);
+      };
+      if (threads == 1) {
+        judge(batch[0]);
+      } else {
+        // Exceptions other than a property's verdict (check_case catches those) end the sweep, as before.
+        std::vector<std::exception_ptr> errors(batch.size());
+        std::atomic<std::size_t> claimed{0};
+        std::vector<std::thread> pool;
+        for (int t = 0; t < std::min<std::int64_t>(threads, n); ++t)
+          pool.emplace_back([&] {
+            for (std::size_t k; (k = claimed++) < batch.size();) try {
+                judge(batch[k]);
+              } catch (...) {
+                errors[k] = std::current_exception();
+              }
+          });
+        for (auto& t : pool) t.join();
+        for (const auto& e : errors)
+          if (e) std::rethrow_exception(e);
+      }
+      next = 0;
     }
-    CaseRun run(c, impl, options.profile);
-    const std::vector<Outcome> outcomes = check_case(run, {}, options.stop_at_first_failure);
+    const Case& c = batch[next].c;
+    const std::vector<Outcome>& outcomes = batch[next].outcomes;
+    const std::optional<Report>& strict_report = batch[next].strict_report;
+    ++next;
     bool any_failed = false;
     for (const Outcome& o : outcomes) {
       (o.skipped ? result.skipped : o.passed ? result.passed : result.failed)[o.property]++;
-      if (o.passed && !o.skipped && o.property == "matches_reference" && run.strict_report)
-        for (const auto& t : run.strict_report->tensors)
+      if (o.passed && !o.skipped && o.property == "matches_reference" && strict_report)
+        for (const auto& t : strict_report->tensors)
           result.worst_margin[t.name] = std::max(result.worst_margin[t.name], t.margin);
       if (o.passed) continue;
       any_failed = true;

@@ -24,6 +24,10 @@ struct SweepOptions {
   CaseDistribution distribution;       // narrowings of the case distribution (case.h); default: none
   int shrink_attempts = 300;
   double shrink_seconds = 120;       // per counterexample (an external program that hangs costs a timeout per try)
+  // Cases judged at once, on as many threads, when the implementation allows it (Implementation::concurrent);
+  // 0: one per hardware thread. Cases are drawn in order and their outcomes taken in order, so the result of a
+  // sweep of N cases does not depend on this (a time budget reaches a different N, as it always did).
+  int threads = 0;
   std::function<void(std::int64_t cases, std::int64_t failures, double seconds)> progress;  // ~every second
 };
 

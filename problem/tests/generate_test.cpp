@@ -102,6 +102,30 @@ TEST(Generate, SameSpecGivesIdenticalBytes) {
   EXPECT_NE(a.target, b.target);
 }
 
+// generate() fills x, weight and bias in parallel blocks, each starting from the stream skipped to its offset
+// (Rng::skip): the bytes must be those of one sequential pass, whatever the thread count, so a seed keeps meaning
+// the same problem. The weight here spans several of its 65536-value blocks.
+TEST(Generate, ParallelFillIsTheSequentialStream) {
+  CaseSpec spec = spec_of({2, 3, 70001, 3}, IgnorePattern::none, 5);
+  spec.bias = true;
+  spec.logit_scale = 3;
+  const Problem p = generate(spec);
+  Rng rng(spec.seed);
+  std::vector<bf16> x(p.x.size()), weight(p.weight.size()), bias(p.bias->size());
+  for (auto& v : x) v = bf16(static_cast<float>(rng.normal()));
+  const double w_std = spec.logit_scale / std::sqrt(70001.0);
+  for (auto& v : weight) v = bf16(static_cast<float>(w_std * rng.normal()));
+  for (auto& v : bias) v = bf16(static_cast<float>(spec.logit_scale / 4 * rng.normal()));
+  EXPECT_EQ(p.x, x);
+  EXPECT_EQ(p.weight, weight);
+  EXPECT_EQ(*p.bias, bias);
+  Rng skipped(spec.seed);
+  skipped.skip(3);
+  Rng stepped(spec.seed);
+  for (int i = 0; i < 3; ++i) stepped.next();
+  EXPECT_EQ(skipped.next(), stepped.next());
+}
+
 TEST(Generate, CarriesSpecIntoProblem) {
   CaseSpec spec = spec_of({2, 5, 8, 17}, IgnorePattern::prompt_prefix, 123456789012345ull);
   spec.hp.beta = 2.5;

@@ -108,6 +108,32 @@ __global__ void logit_gradient_kernel(double* z, std::int64_t rows, std::int64_t
   }
 }
 
+__global__ void __launch_bounds__(kRowThreads) off_target_softmax_kernel(const double* z, std::int64_t V, const std::int64_t* target,
+                                                                         std::int64_t first_row, const double* lse, const double* k,
+                                                                         double* norm, double* max) {
+  __shared__ double scratch[kWarps];
+  __shared__ std::int64_t scratch_index[kWarps];
+  const std::int64_t r = blockIdx.x, row = first_row + r;
+  if (k[row] == 0) {  // as the CPU reference: rows without a gradient are left 0
+    if (threadIdx.x == 0) norm[row] = max[row] = 0.0;
+    return;
+  }
+  const double* zr = z + r * V;
+  const double lse_r = lse[row];
+  const std::int64_t t = target[row];
+  double sq = 0, largest = 0;
+  std::int64_t unused = 0;
+  for (std::int64_t v = threadIdx.x; v < V; v += blockDim.x)
+    if (v != t) {
+      const double p = exp(zr[v] - lse_r);
+      sq += p * p;
+      largest = fmax(largest, p);
+    }
+  sq = block_sum(sq, scratch);
+  block_argmax(largest, unused, scratch, scratch_index);
+  if (threadIdx.x == 0) norm[row] = sqrt(sq), max[row] = largest;
+}
+
 __global__ void accumulate_bias_gradient_kernel(const double* dz, std::int64_t rows, std::int64_t V, double* grad_bias) {
   const std::int64_t v = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (v >= V) return;
@@ -143,6 +169,11 @@ void logit_gradient(double* z, std::int64_t rows, std::int64_t V, const std::int
                     const double* lse, const double* logprob, const double* k, cudaStream_t stream) {
   const dim3 grid(blocks_for(V, 256, 1024), static_cast<unsigned>(rows < 65535 ? rows : 65535));
   logit_gradient_kernel<<<grid, 256, 0, stream>>>(z, rows, V, target, first_row, lse, logprob, k);
+}
+
+void off_target_softmax(const double* z, std::int64_t rows, std::int64_t V, const std::int64_t* target, std::int64_t first_row,
+                        const double* lse, const double* k, double* norm, double* max, cudaStream_t stream) {
+  off_target_softmax_kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(z, V, target, first_row, lse, k, norm, max);
 }
 
 void accumulate_bias_gradient(const double* dz, std::int64_t rows, std::int64_t V, double* grad_bias, cudaStream_t stream) {

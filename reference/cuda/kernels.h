@@ -26,6 +26,11 @@ void row_statistics(const double* z, std::int64_t rows, std::int64_t V, const st
 void logit_gradient(double* z, std::int64_t rows, std::int64_t V, const std::int64_t* target, std::int64_t first_row,
                     const double* lse, const double* logprob, const double* k, cudaStream_t stream);
 
+// Before logit_gradient overwrites the logits: per row with k != 0, norm = sqrt(sum over v != target of p_v^2)
+// and max = max over v != target of p_v (p = exp(z - lse)); 0 and 0 where k = 0 (reference.h OffTargetSoftmax).
+void off_target_softmax(const double* z, std::int64_t rows, std::int64_t V, const std::int64_t* target, std::int64_t first_row,
+                        const double* lse, const double* k, double* norm, double* max, cudaStream_t stream);
+
 // grad_bias[v] += sum over the rows of dz[r, v].
 void accumulate_bias_gradient(const double* dz, std::int64_t rows, std::int64_t V, double* grad_bias,
                               cudaStream_t stream);

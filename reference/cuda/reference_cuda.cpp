@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -70,6 +71,11 @@ class DeviceBuffer {
 struct Context {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
+  // Two pinned staging buffers for large downloads (download()), made on the first one: a sweep's threads judge
+  // small cases and never need them.
+  static constexpr std::size_t staging_bytes = std::size_t{64} << 20;
+  void* staging[2] = {nullptr, nullptr};
+  cudaEvent_t staged[2] = {nullptr, nullptr};
 };
 Context& context() {
   thread_local Context c = [] {
@@ -82,6 +88,42 @@ Context& context() {
     return made;
   }();
   return c;
+}
+
+// Device to host at the link's speed. A cudaMemcpy into pageable memory runs through the driver's own staging
+// on one core, and the destination's first touch (a fresh 4.2 GB grad_weight) costs page faults on top: 2-3 s for
+// the published workload. Here the device fills one pinned buffer while every core copies the other into place.
+void download(void* host, const void* device, std::size_t bytes, Context& c) {
+  const std::size_t chunk = Context::staging_bytes;
+  if (bytes <= chunk / 2) {  // small: one plain copy
+    check(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, c.stream), "gradients to the host");
+    check(cudaStreamSynchronize(c.stream), "gradients to the host");
+    return;
+  }
+  if (!c.staging[0])
+    for (int i = 0; i < 2; ++i) {
+      check(cudaMallocHost(&c.staging[i], chunk), "cudaMallocHost (staging)");
+      check(cudaEventCreateWithFlags(&c.staged[i], cudaEventDisableTiming), "cudaEventCreate");
+    }
+  const std::size_t chunks = (bytes + chunk - 1) / chunk;
+  auto enqueue = [&](std::size_t i) {
+    const std::size_t n = std::min(chunk, bytes - i * chunk);
+    check(cudaMemcpyAsync(c.staging[i % 2], static_cast<const char*>(device) + i * chunk, n, cudaMemcpyDeviceToHost, c.stream),
+          "gradients to the host");
+    check(cudaEventRecord(c.staged[i % 2], c.stream), "cudaEventRecord");
+  };
+  if (chunks > 0) enqueue(0);
+  for (std::size_t i = 0; i < chunks; ++i) {
+    if (i + 1 < chunks) enqueue(i + 1);  // its buffer was emptied by the copy of chunk i - 1, just finished
+    check(cudaEventSynchronize(c.staged[i % 2]), "gradients to the host");
+    const auto n = static_cast<std::int64_t>(std::min(chunk, bytes - i * chunk));
+    char* to = static_cast<char*>(host) + i * chunk;
+    const char* from = static_cast<const char*>(c.staging[i % 2]);
+    constexpr std::int64_t piece = std::int64_t{1} << 20;
+#pragma omp parallel for schedule(static)
+    for (std::int64_t p = 0; p < n; p += piece)
+      std::memcpy(to + p, from + p, static_cast<std::size_t>(std::min(piece, n - p)));
+  }
 }
 
 int dimension(std::int64_t n, const char* name) {
@@ -131,7 +173,7 @@ ForwardOutputs run(const Shape& s, const Hyperparameters& hp, std::span<const st
     throw InputError("reference cuda on " + s.to_string() + " needs " + gib(needed) + " of device memory; only " +
                      gib(static_cast<std::int64_t>(free_bytes)) + " are free on " + device_description());
 
-  const Context& c = context();
+  Context& c = context();
   Timings local;
   Timings& time = timings ? *timings : local;
   auto clock = std::chrono::steady_clock::now();
@@ -147,6 +189,8 @@ ForwardOutputs run(const Shape& s, const Hyperparameters& hp, std::span<const st
   const Schedule schedule = plan(s, options);
   DeviceBuffer logits(schedule.buffer_rows * V * f64);
   DeviceBuffer lse(N * f64), logprob(N * f64), logit_sum(N * f64), k(N * f64);
+  OffTargetSoftmax* off_target = options.gradients ? options.off_target : nullptr;
+  DeviceBuffer off_norm(off_target ? N * f64 : 0), off_max(off_target ? N * f64 : 0);
   DeviceBuffer grad_x, grad_weight, grad_bias;
   if (options.gradients) {
     grad_x = DeviceBuffer(N * H * f64);
@@ -214,6 +258,11 @@ ForwardOutputs run(const Shape& s, const Hyperparameters& hp, std::span<const st
         work_enqueued += static_cast<double>(piece.rows);
       }
       double* dz = z + piece.slot * V;
+      if (off_target) {
+        kernels::off_target_softmax(dz, piece.rows, V, device_target, piece.row, lse.as<double>(), k.as<double>(),
+                                    off_norm.as<double>(), off_max.as<double>(), c.stream);
+        check_launch("off_target_softmax");
+      }
       kernels::logit_gradient(dz, piece.rows, V, device_target, piece.row, lse.as<double>(), logprob.as<double>(), k.as<double>(),
                               c.stream);
       check_launch("logit_gradient");
@@ -232,12 +281,17 @@ ForwardOutputs run(const Shape& s, const Hyperparameters& hp, std::span<const st
   clock = std::chrono::steady_clock::now();
 
   if (options.gradients) {
-    check(cudaMemcpyAsync(gradients.x.data(), grad_x.as<void>(), gradients.x.size_bytes(), cudaMemcpyDeviceToHost, c.stream), "grad_x to the host");
-    check(cudaMemcpyAsync(gradients.weight.data(), grad_weight.as<void>(), gradients.weight.size_bytes(), cudaMemcpyDeviceToHost, c.stream),
-          "grad_weight to the host");
-    if (has_bias)
-      check(cudaMemcpyAsync(gradients.bias.data(), grad_bias.as<void>(), gradients.bias.size_bytes(), cudaMemcpyDeviceToHost, c.stream),
-            "grad_bias to the host");
+    download(gradients.x.data(), grad_x.as<void>(), gradients.x.size_bytes(), c);
+    download(gradients.weight.data(), grad_weight.as<void>(), gradients.weight.size_bytes(), c);
+    if (has_bias) download(gradients.bias.data(), grad_bias.as<void>(), gradients.bias.size_bytes(), c);
+    if (off_target) {
+      off_target->norm.resize(static_cast<std::size_t>(N));
+      off_target->max.resize(static_cast<std::size_t>(N));
+      check(cudaMemcpyAsync(off_target->norm.data(), off_norm.as<void>(), static_cast<std::size_t>(N * f64), cudaMemcpyDeviceToHost, c.stream),
+            "off-target softmax to the host");
+      check(cudaMemcpyAsync(off_target->max.data(), off_max.as<void>(), static_cast<std::size_t>(N * f64), cudaMemcpyDeviceToHost, c.stream),
+            "off-target softmax to the host");
+    }
     check(cudaStreamSynchronize(c.stream), "gradients to the host");
   }
   time.download = seconds_since(clock);
@@ -273,7 +327,7 @@ std::string device_description() {
 std::int64_t required_device_bytes(const Shape& s, bool bias, const Options& options) {
   validate_shape(s);
   const std::int64_t inputs = (s.N() * s.H + s.V * s.H + (bias ? s.V : 0)) * f64 + s.N() * f64;  // + target
-  const std::int64_t rows = 4 * s.N() * f64 + plan(s, options).buffer_rows * s.V * f64;
+  const std::int64_t rows = 6 * s.N() * f64 + plan(s, options).buffer_rows * s.V * f64;
   const std::int64_t grads = options.gradients ? (s.N() * s.H + s.V * s.H + (bias ? s.V : 0)) * f64 : 0;
   const std::int64_t staging = std::max(s.N() * s.H, s.V * s.H) * 2;  // one bf16 input at a time, while widened
   return inputs + std::max(staging, rows + grads);

@@ -173,9 +173,10 @@ int run_check(const CheckArgs& a) {
   if (a.reference_outputs.empty() && problem.shape.N() * problem.shape.V > (std::int64_t{1} << 26))
     progress = [](double f) { std::fprintf(stderr, "\rreference: %3.0f%%", 100 * f); };
   // The reference once, for every candidate.
-  const simpo::TensorMap exact = sv::reference_outputs_for(problem, !a.forward_only, a.reference_outputs, progress);
+  simpo::reference::OffTargetSoftmax off_target;
+  const simpo::TensorMap exact = sv::reference_outputs_for(problem, !a.forward_only, a.reference_outputs, progress, &off_target);
   if (progress) std::fprintf(stderr, "\n");
-  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact);
+  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, off_target.norm.empty() ? nullptr : &off_target);
   bool all_passed = true;
   std::size_t passed_count = 0;
   nlohmann::json documents = nlohmann::json::array();
@@ -243,14 +244,20 @@ int run_case(const CaseArgs& a) {
   std::fprintf(stderr, "%s: %.3f s\n", impl.name.c_str(), candidate_s);
 
   simpo::reference::Options ro;
+  simpo::reference::OffTargetSoftmax off_target;
   ro.gradients = !a.no_grad;
+  ro.off_target = &off_target;
   ro.progress = [](double f) { std::fprintf(stderr, "\rreference: %3.0f%%", 100 * f); };
   start = std::chrono::steady_clock::now();
   const simpo::TensorMap exact = simpo::reference::compute(problem, ro);
   const double reference_s = seconds_since(start);
-  std::fprintf(stderr, "\rreference: %.3f s\n", reference_s);
+  std::fprintf(stderr, "\rreference (%s): %.3f s\n",
+               simpo::reference::device_name(simpo::reference::resolve(ro.device)).c_str(), reference_s);
 
-  const sv::Report report = sv::compare(problem, exact, candidate, profile);
+  start = std::chrono::steady_clock::now();
+  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, a.no_grad ? nullptr : &off_target);
+  const sv::Report report = sv::compare(scales, exact, candidate, profile);
+  std::fprintf(stderr, "judged in %.3f s\n", seconds_since(start));
   if (a.json) {
     std::cout << sv::format_json(report);
   } else {

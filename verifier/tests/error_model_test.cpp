@@ -65,6 +65,44 @@ TensorReport find(const Report& r, const std::string& name) {
   throw std::logic_error("no tensor " + name);
 }
 
+// The scales' q[r] (the off-target softmax norm behind the operand bound) from the reference's exact softmax
+// (reference::OffTargetSoftmax, O(N)) and from the fp32 recomputation (O(N H V), when the exact outputs come from
+// a file): both are widened by 2 e_l on top of the same q, and fp32 logits move q by at most ~2 e_l q, so the two
+// differ by less than 2 e_l per row. Logit scale 30 puts most rows' softmax on one wrong token (the saturated
+// branch), scale 2 spreads it; with bias and ignored rows.
+TEST(ErrorModel, ScalesFromTheReferenceSoftmaxMatchTheRecomputation) {
+  for (const double scale : {2.0, 30.0}) {
+    CaseSpec spec;
+    spec.shape = {2, 24, 40, 300};
+    spec.bias = true;
+    spec.seed = 11;
+    spec.logit_scale = scale;
+    spec.ignore = IgnorePattern::random;
+    const Problem p = generate(spec);
+    reference::OffTargetSoftmax off_target;
+    reference::Options options;
+    options.off_target = &off_target;
+    const TensorMap exact = reference::compute(p, options);
+    ASSERT_EQ(off_target.norm.size(), static_cast<std::size_t>(p.shape.N()));
+    const ProblemScales fast = ProblemScales::of(p, &exact, &off_target), slow = ProblemScales::of(p, &exact);
+    const double e_l = fast.logprob_error();
+    int saturated = 0;
+    for (std::int64_t r = 0; r < p.shape.N(); ++r) {
+      EXPECT_NEAR(fast.row_q[r], slow.row_q[r], 2 * e_l) << "scale " << scale << " row " << r;
+      EXPECT_LE(off_target.norm[r], 1.0);
+      saturated += off_target.max[r] >= 0.5;
+    }
+    for (const char* name : {output_name::grad_x, output_name::grad_weight, output_name::grad_bias}) {
+      EXPECT_NEAR(fast.operand_magnitude(name), slow.operand_magnitude(name), 1e-4 * slow.operand_magnitude(name))
+          << "scale " << scale << " " << name;
+      EXPECT_EQ(fast.gradient_magnitude(name), slow.gradient_magnitude(name)) << name;
+    }
+    if (scale == 30) {
+      EXPECT_GT(saturated, p.shape.N() / 4) << "the saturated branch is exercised";
+    }
+  }
+}
+
 TEST(ErrorModel, RoundedExactOutputsPassStrictAtTheFloor) {
   const auto& f = fixture();
   const Report r = compare(f.problem, f.exact, rounded(f.exact), strict_profile());

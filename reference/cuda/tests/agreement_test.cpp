@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace simpo::reference {
@@ -66,7 +67,17 @@ void expect_agreement(const Problem& p, const Options& options, const std::strin
   Options cpu = options, gpu = options;
   cpu.device = Device::cpu;
   gpu.device = Device::cuda;
-  const auto [error, name] = disagreement(p, compute(p, gpu), compute(p, cpu));
+  OffTargetSoftmax cpu_off, gpu_off;  // the error model's by-product, too
+  cpu.off_target = &cpu_off;
+  gpu.off_target = &gpu_off;
+  auto [error, name] = disagreement(p, compute(p, gpu), compute(p, cpu));
+  if (options.gradients) {
+    for (const auto& [part, a, b] : {std::tuple{"off-target softmax norm", &gpu_off.norm, &cpu_off.norm},
+                                     std::tuple{"off-target softmax max", &gpu_off.max, &cpu_off.max}}) {
+      const double e = a->size() == b->size() && !b->empty() ? normwise_error(*a, *b) : INFINITY;
+      if (!(e <= error)) error = e, name = part;
+    }
+  }
   largest_disagreement = std::max(largest_disagreement, error);
   EXPECT_LE(error, kAgreement) << what << ": " << name << " differs by " << error;
   std::printf("[ %s ] largest disagreement %.3g (%s)\n", what.c_str(), error, name.c_str());
