@@ -372,6 +372,13 @@ Device resolve(Device d) {
   return d;
 }
 
+Device resolve(Device d, const Shape& s) {
+  constexpr double gpu_worthwhile = double(std::int64_t{1} << 28);  // multiply-adds of the logits GEMM
+  if (d == Device::automatic)
+    return cuda_available() && double(s.N()) * double(s.V) * double(s.H) >= gpu_worthwhile ? Device::cuda : Device::cpu;
+  return resolve(d);
+}
+
 std::int64_t required_bytes(const Shape& s, bool bias, const Options& options) {
   validate_shape(s);
   const std::int64_t values = s.N() * s.H + s.V * s.H + (bias ? s.V : 0);
@@ -385,7 +392,7 @@ std::int64_t required_bytes(const Shape& s, bool bias, const Options& options) {
 TensorMap compute(const Problem& problem, const Options& options) {
   validate(problem);
   Options resolved = options;
-  resolved.device = options.reproducible ? Device::cpu : resolve(options.device);
+  resolved.device = options.reproducible ? Device::cpu : resolve(options.device, problem.shape);
   require_memory(required_bytes(problem.shape, problem.bias.has_value(), resolved),
                  "the float64 reference (" + device_name(resolved.device) + ") on " + problem.shape.to_string());
   const Shape& s = problem.shape;

@@ -18,6 +18,10 @@ Device device_from_name(const std::string&);  // throws InputError naming the ch
 bool cuda_available();                         // reference-cuda was built and a device is present
 std::string cuda_unavailable_reason();         // "" when cuda_available(), else why not (no build, no device)
 Device resolve(Device);                        // automatic -> cuda or cpu; cuda unavailable: InputError naming why
+// For one problem: automatic is cuda only where it is available and the problem is large enough for the GPU to
+// win (N V H >= 2^28 multiply-adds in the logits; below that the CPU finishes in tens of milliseconds, less than
+// the device's allocations and launches cost, and a parallel sweep's threads would serialize on cudaFree).
+Device resolve(Device, const Shape&);
 // The device an Options{} starts with: cpu unless a program says otherwise (simpo-verify's --reference sets it once,
 // so every reference run of that command, wherever the verifier makes its Options, follows it).
 Device default_device();

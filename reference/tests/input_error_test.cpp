@@ -137,6 +137,11 @@ TEST(CoreInputs, SizeMismatchesAreInputErrors) {
 TEST(DeviceSelection, UnavailableCudaIsAnInputErrorNamingWhy) {
   EXPECT_EQ(resolve(Device::automatic), cuda_available() ? Device::cuda : Device::cpu);
   EXPECT_EQ(resolve(Device::cpu), Device::cpu);
+  // Per problem, auto takes the GPU only from 2^28 logit multiply-adds (N V H) on.
+  const Shape small{2, 8, 64, 1000}, published{2, 1024, 4096, 128256};
+  EXPECT_EQ(resolve(Device::automatic, small), Device::cpu);
+  EXPECT_EQ(resolve(Device::automatic, published), cuda_available() ? Device::cuda : Device::cpu);
+  EXPECT_EQ(resolve(Device::cpu, published), Device::cpu);
   EXPECT_EQ(device_from_name("auto"), Device::automatic);
   try {
     device_from_name("gpu");

@@ -42,7 +42,8 @@ std::int64_t total(const std::map<std::string, std::int64_t>& m) {
 // the reference's default device, so every reference run of the command follows it.
 std::string reference_device = "auto";
 void add_reference_option(CLI::App* app) {
-  app->add_option("--reference", reference_device, "the float64 reference judged against: auto (default: the GPU one where a device is present), cpu or cuda. "
+  app->add_option("--reference", reference_device, "the float64 reference judged against: auto (default: the GPU one where a device is present and the problem "
+                  "has at least 2^28 logit multiply-adds, N V H; the CPU one below that, where it is faster), cpu or cuda. "
                   "cpu needs about 16 (N H + V H) + 16 T V bytes of host memory (10.6 GB at the published B = 2, 11.6 GB at "
                   "B = 16); cuda about the same in device memory plus 8 (N H + V H) bytes of host memory for the float64 "
                   "gradients (4.3 GB at B = 2)")
@@ -54,6 +55,13 @@ void add_timeout_option(CLI::App* app, sv::ImplementationOptions& options) {
                   "exec: seconds one case may take before the program is killed and the case fails (default 120)");
 }
 
+void add_threads_option(CLI::App* app, int& threads) {
+  app->add_option("--threads", threads,
+                  "cases judged at once, one per thread (default 0: every hardware thread; exec: programs always 1); "
+                  "the result of N cases does not depend on it")
+      ->check(CLI::Range(0, 4096));
+}
+
 // ---- main job ----
 struct MainJob {
   std::uint64_t seed = sv::SweepOptions{}.seed;
@@ -63,6 +71,7 @@ struct MainJob {
   std::string fixtures_dir = simpo::fixtures::default_directory();
   std::string counterexample_dir = "simpo-counterexamples";
   bool no_fixtures = false;
+  int threads = 0;
   sv::ImplementationOptions impl_options;
 };
 
@@ -73,6 +82,7 @@ int run_main_job(const MainJob& job) {
   options.max_cases = job.cases;
   options.time_budget_s = job.cases > 0 && job.time_budget == 60 ? 0 : job.time_budget;
   options.counterexample_dir = job.counterexample_dir;
+  options.threads = job.threads;
   options.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("sweep", c, f, s); };
   std::fprintf(stderr, "simpo-verify: random sweep of %s against the float64 reference (seed %llu, %s)\n",
                impl.name.c_str(), static_cast<unsigned long long>(job.seed),
@@ -252,7 +262,7 @@ int run_case(const CaseArgs& a) {
   const simpo::TensorMap exact = simpo::reference::compute(problem, ro);
   const double reference_s = seconds_since(start);
   std::fprintf(stderr, "\rreference (%s): %.3f s\n",
-               simpo::reference::device_name(simpo::reference::resolve(ro.device)).c_str(), reference_s);
+               simpo::reference::device_name(simpo::reference::resolve(ro.device, problem.shape)).c_str(), reference_s);
 
   start = std::chrono::steady_clock::now();
   const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, a.no_grad ? nullptr : &off_target);
@@ -275,6 +285,7 @@ struct MutantArgs {
   double time_budget = 60;
   std::string backend = "cpu", only;
   bool no_shrink = false;
+  int threads = 0;
 };
 
 int run_mutants(const MutantArgs& a) {
@@ -291,6 +302,7 @@ int run_mutants(const MutantArgs& a) {
     options.time_budget_s = a.time_budget;
     options.stop_at_first_failure = true;
     options.shrink = !a.no_shrink;
+    options.threads = a.threads;
     std::fprintf(stderr, "mutant %s ...\n", simpo::fused::mutant_name(m).c_str());
     const sv::SweepResult r = sv::run_sweep(impl, options);
     if (r.failures.empty()) {
@@ -315,6 +327,7 @@ struct SweepArgs {
   double time_budget = 0;
   std::string impl = "auto", counterexample_dir = "simpo-counterexamples";
   bool stop = false, no_shrink = false;
+  int threads = 0;
   sv::ImplementationOptions impl_options;
   ProfileArgs profile;
 };
@@ -330,6 +343,7 @@ int run_sweep_command(const SweepArgs& a) {
   options.shrink = !a.no_shrink;
   options.profile = a.profile.resolve();
   options.counterexample_dir = a.counterexample_dir;
+  options.threads = a.threads;
   options.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("sweep", c, f, s); };
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
@@ -358,6 +372,7 @@ int main(int argc, char** argv) {
   app.add_option("--fixtures-dir", job.fixtures_dir, "committed fixtures");
   app.add_option("--counterexample-dir", job.counterexample_dir, "where failing cases' inputs files go");
   app.add_flag("--no-fixtures", job.no_fixtures, "skip the committed fixtures");
+  add_threads_option(&app, job.threads);
 
   ComputeArgs compute;
   auto* c = app.add_subcommand("compute", "run one implementation on an inputs file and write an outputs file");
@@ -416,6 +431,7 @@ int main(int argc, char** argv) {
   m->add_option("--backend", mutants.backend, "cpu or cuda");
   m->add_option("--mutant", mutants.only, "only this mutant");
   m->add_flag("--no-shrink", mutants.no_shrink, "report the first failing case as found");
+  add_threads_option(m, mutants.threads);
 
   SweepArgs sweep;
   auto* s = app.add_subcommand("sweep", "a random sweep of one implementation (e.g. 10,000 cases on a correct one)");
@@ -425,6 +441,7 @@ int main(int argc, char** argv) {
   s->add_option("--seed", sweep.seed, "sweep seed");
   s->add_option("--cases", sweep.cases, "case count");
   s->add_option("--time-budget", sweep.time_budget, "seconds");
+  add_threads_option(s, sweep.threads);
   s->add_option("--counterexample-dir", sweep.counterexample_dir, "where failing cases' inputs files go");
   s->add_flag("--stop-at-first-failure", sweep.stop);
   s->add_flag("--no-shrink", sweep.no_shrink, "report failing cases as found");
@@ -442,7 +459,10 @@ int main(int argc, char** argv) {
   }
 
   try {
-    simpo::reference::set_default_device(simpo::reference::resolve(simpo::reference::device_from_name(reference_device)));
+    // auto stays auto (each problem picks by size, reference.h); cuda where it cannot run is an error now, not later.
+    const simpo::reference::Device reference = simpo::reference::device_from_name(reference_device);
+    if (reference == simpo::reference::Device::cuda) simpo::reference::resolve(reference);
+    simpo::reference::set_default_device(reference);
     if (*c) return run_compute(compute);
     if (*k) return run_check(check);
     if (*g) return run_case(cs);
