@@ -6,6 +6,7 @@
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/gemm.h"
 #include "fused/cuda/promoted_gemm.h"
+#include "fused/cuda/promoted_stats.h"
 #include "fused/forward_outputs.h"
 #include "fused/fused.h"
 #include "fused/schedule.h"
@@ -69,6 +70,13 @@ struct Tuning {
   // 15% slower than cuBLAS on the forward's ~4100-row chunks but level with it on the full step's 2048-row ones
   // (BENCHMARKS.md, 2026-12-03): a 2048 x 4096 bf16 x chunk (16 MiB) stays in L2 while the weight streams.
   std::int64_t forward_chunk_rows = 0;
+  // promoted, V % 4 == 0, variant 0: the row statistics from the logits GEMM's epilogue (promoted_stats.h), so
+  // the forward writes no logits and the full step has no separate pass reading them. Off by default: on the
+  // H200 it measured slower than row_stats_kernel over stored logits (BENCHMARKS.md, second round).
+  bool epilogue_stats = false;
+  // The gradient GEMMs once per chunk over both of a three_pass chunk's parts (x rows gathered), so the fp32
+  // grad_W accumulator is read and written once per chunk; false: once per part, as before (for comparing).
+  bool gradient_gemms_per_chunk = true;
 };
 // The default for a device and H: promoted every logits_k_slice (rounded to the k tile) where
 // promoted_logits_available(), else that many cuBLAS slices; logits_k_slice = 0 is one cuBLAS GEMM anywhere.

@@ -18,14 +18,19 @@ std::int64_t gemm_workspace_bytes(std::int64_t budget) {
 
 // The workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that live for the
 // whole run, then the chunk buffers (logits, dz, grad_x) sized for the largest chunk.
+// Where the row statistics come from: `tiles` > 0 when the logits GEMM's epilogue reduces them
+// (promoted_stats.h; per row and column tile 16 bytes of partials), 0 for row_stats_kernel over stored logits.
+// Only the forward-only schedule then keeps no logits buffer at all.
 struct Layout {
-  std::int64_t gemm = 0, row_max = 0, lse = 0, z_target = 0, target_coef = 0, rowsum = 0, avg_grad = 0,
-               completion_tokens = 0, fixed = 0;
+  std::int64_t gemm = 0, row_max = 0, lse = 0, z_target = 0, z_target_raw = 0, target_coef = 0, rowsum = 0,
+               avg_grad = 0, completion_tokens = 0, fixed = 0;
+  std::int64_t tiles = 0;
   std::int64_t per_row = 0;  // this backend's bytes per chunk row (padded rows; cf. workspace_bytes_per_row)
-  std::int64_t logits = 0, dz = 0, grad_x = 0, total = 0;
+  std::int64_t logits = 0, dz = 0, grad_x = 0, x_rows = 0, tile_max = 0, tile_sum_exp = 0, tile_sum = 0, total = 0;
+  bool keeps_logits(bool gradients) const { return gradients || tiles == 0; }
 };
 
-Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients) {
+Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::int64_t tiles) {
   Layout l;
   const std::int64_t N = s.N(), B = s.B, ld_v = padded(s.V), ld_h = padded(s.H);
   std::int64_t at = 0;
@@ -34,29 +39,40 @@ Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients) {
     at += align_up(bytes);
     return offset;
   };
+  l.tiles = tiles;
   l.gemm = take(gemm_workspace_bytes(budget));
   l.row_max = take(N * 4);
   l.lse = take(N * 4);
   l.z_target = take(N * 4);
+  l.z_target_raw = take(tiles > 0 ? N * 4 : 0);
   l.target_coef = take(N * 4);
   l.rowsum = take(N * 8);
   l.avg_grad = take(B * 8);
   l.completion_tokens = take(B * 8);
-  l.fixed = at + 3 * kAlign;  // room to align the three chunk buffers
-  l.per_row = ld_v * 4 + (gradients ? ld_v * 2 + ld_h * 4 : 0);
+  l.fixed = at + 7 * kAlign;  // room to align the seven chunk buffers
+  l.per_row = (l.keeps_logits(gradients) ? ld_v * 4 : 0) + (gradients ? ld_v * 2 + ld_h * 4 + ld_h * 2 : 0) +
+              tiles * 16;
   return l;
 }
 
 void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool gradients) {
   const std::int64_t ld_v = padded(s.V), ld_h = padded(s.H);
   const std::int64_t gradient_rows = gradients ? rows : 0;  // forward only: logits alone
-  std::int64_t at = l.fixed - 3 * kAlign;
+  std::int64_t at = l.fixed - 7 * kAlign;
   l.logits = at;
-  at += align_up(rows * ld_v * 4);
+  at += align_up(l.keeps_logits(gradients) ? rows * ld_v * 4 : 0);
   l.dz = at;
   at += align_up(gradient_rows * ld_v * 2);
   l.grad_x = at;
   at += align_up(gradient_rows * ld_h * 4);
+  l.x_rows = at;
+  at += align_up(gradient_rows * ld_h * 2);
+  l.tile_max = at;
+  at += align_up(l.tiles * rows * 4);
+  l.tile_sum_exp = at;
+  at += align_up(l.tiles * rows * 4);
+  l.tile_sum = at;
+  at += align_up(l.tiles * rows * 8);
   l.total = at;
 }
 
@@ -78,10 +94,14 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   const bool gradients = g != nullptr;
   if (ld_h != padded(H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
 
-  // The plan of fused/schedule.h, with the budget it sees shrunk so that this backend's padded rows and fixed
-  // scratch stay inside options.workspace_bytes: it then cuts the rows exactly where that budget allows.
+  // The plan of fused/schedule.h for the rows this backend's layout fits in options.workspace_bytes (padded
+  // rows, fixed scratch first).
   const std::int64_t budget = options.workspace_bytes;
-  Layout layout = fixed_layout(s, std::max<std::int64_t>(budget, 0), gradients);
+  const bool epilogue_stats = tuning.logits == Tuning::Logits::promoted && tuning.epilogue_stats && V % 4 == 0 &&
+                              tuning.promoted.variant == 0 &&
+                              promoted_stats_available();
+  Layout layout = fixed_layout(s, std::max<std::int64_t>(budget, 0), gradients,
+                               epilogue_stats ? promoted_stats_tiles(V) : 0);
   const std::int64_t rows_that_fit = budget > layout.fixed ? (budget - layout.fixed) / layout.per_row : 0;
   if (rows_that_fit < 1)
     throw InputError("cuda backend: workspace of " + std::to_string(budget) + " bytes cannot hold one token row of " +
@@ -90,11 +110,11 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
                      std::to_string(layout.per_row) + " per row)");
   Options plan_options = options;
   plan_options.gradients = gradients;
-  plan_options.workspace_bytes = rows_that_fit * workspace_bytes_per_row(s, gradients);
   if (!gradients && tuning.forward_chunk_rows > 0)
     plan_options.max_chunk_rows = options.max_chunk_rows > 0 ? std::min(options.max_chunk_rows, tuning.forward_chunk_rows)
                                                              : tuning.forward_chunk_rows;
-  report_.schedule = plan(s, plan_options);
+  report_.schedule = plan_rows(s, rows_that_fit, plan_options);
+  report_.schedule.bytes_per_row = layout.per_row;
   place_chunk_buffers(layout, s, report_.schedule.max_rows(), gradients);
   report_.workspace_bytes = layout.total;
 
@@ -114,11 +134,17 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   float* z_target = reinterpret_cast<float*>(base + layout.z_target);
   float* target_coef = reinterpret_cast<float*>(base + layout.target_coef);
   double* rowsum = reinterpret_cast<double*>(base + layout.rowsum);
+  float* z_target_raw = reinterpret_cast<float*>(base + layout.z_target_raw);
+  float* tile_max = reinterpret_cast<float*>(base + layout.tile_max);
+  float* tile_sum_exp = reinterpret_cast<float*>(base + layout.tile_sum_exp);
+  double* tile_sum = reinterpret_cast<double*>(base + layout.tile_sum);
+  const std::int64_t tile_ld = report_.schedule.max_rows();
   double* avg_grad = reinterpret_cast<double*>(base + layout.avg_grad);
   auto* completion_tokens = reinterpret_cast<std::int64_t*>(base + layout.completion_tokens);
   float* logits = reinterpret_cast<float*>(base + layout.logits);
   auto* dz = reinterpret_cast<__nv_bfloat16*>(base + layout.dz);
   float* grad_x_part = reinterpret_cast<float*>(base + layout.grad_x);
+  auto* x_rows = reinterpret_cast<__nv_bfloat16*>(base + layout.x_rows);
 
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(completion_tokens, p.targets.n.data(), B * 8, cudaMemcpyHostToDevice, stream_));
   // grad_weight needs no clearing: the first weight GEMM writes it with beta = 0 (every chunk has rows).
@@ -134,12 +160,32 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   auto part_logits = [&](const RowRange& part, std::int64_t offset) {
     return LogitRows{logits + offset * ld_v, ld_v, part.rows(), part.begin, V, p.bias, p.target, hp.ignore_index};
   };
-  auto logits_of = [&](const Chunk& c, bool with_stats) {
+  // with_stats: the pass that produces the row statistics; store: whether dz will read this chunk's logits.
+  auto logits_of = [&](const Chunk& c, bool with_stats, bool store) {
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
       const __nv_bfloat16* x_part = p.x + part.begin * ld_h;
       float* logits_part = logits + offset * ld_v;
+      if (with_stats && epilogue_stats) {
+        LogitTileStats out;
+        out.bias = p.bias;
+        out.target = p.target + part.begin;
+        out.ignore_index = hp.ignore_index;
+        out.ld = tile_ld;
+        out.tile_max = tile_max + offset;
+        out.tile_sum_exp = tile_sum_exp + offset;
+        out.tile_sum = tile_sum + offset;
+        out.z_target = z_target_raw + part.begin;
+        promoted_logits_stats(part.rows(), V, ld_h, x_part, p.weight, store ? logits_part : nullptr, ld_v,
+                              tuning.promotion_k, out, stream_, base + layout.gemm,
+                              static_cast<std::size_t>(gemm_bytes_));
+        const TileStatsRows tiles{tile_max + offset, tile_sum_exp + offset, tile_sum + offset, tile_ld, layout.tiles,
+                                  part.rows(), part.begin, z_target_raw, p.target, hp.ignore_index};
+        launch_merge_tile_stats(tiles, row_max, lse, z_target, rowsum, stream_);
+        offset += part.rows();
+        continue;
+      }
       // The promoted GEMM stores whole groups of 4 fp32 columns; the last V % 4 go through cuBLAS, cut along k
       // as often as the promotion, so they carry the same small bias.
       const std::int64_t V4 = tuning.logits == Tuning::Logits::promoted ? V / 4 * 4 : 0;
@@ -156,24 +202,53 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       offset += part.rows();
     }
   };
-  auto backward_of = [&](const Chunk& c) {
-    std::int64_t offset = 0;
+  // dz per part, then each gradient GEMM once per chunk over all its rows: a three_pass chunk's two parts
+  // (chosen rows, rejected rows) would otherwise read and write the whole fp32 grad_W accumulator twice. The
+  // weight GEMM wants the chunk's x rows contiguous, so two parts' rows are first copied together (16 MiB for
+  // 2048 rows at H = 4096, against 4 GiB of accumulator traffic saved). `at`: the chunk's first buffer row.
+  auto backward_rows = [&](const Chunk& c, std::int64_t at) {
+    const std::int64_t rows = c.rows();
+    __nv_bfloat16* dz_rows = dz + at * ld_v;
+    float* gx_rows = grad_x_part + at * ld_h;
+    std::int64_t offset = at;
+    for (int i = 0; i < c.part_count; ++i) {
+      launch_dz(part_logits(c.parts[i], offset), coefficients, row_max, lse, z_target, dz + offset * ld_v, ld_v,
+                target_coef, stream_);
+      offset += c.parts[i].rows();
+    }
+    gemms_->grad_x(rows, V, ld_h, dz_rows, ld_v, p.weight, gx_rows);
+    const __nv_bfloat16* x_chunk = p.x + c.parts[0].begin * ld_h;
+    if (c.part_count > 1) {
+      offset = 0;
+      for (int i = 0; i < c.part_count; ++i) {
+        SIMPO_CUDA_CHECK(cudaMemcpyAsync(x_rows + offset * ld_h, p.x + c.parts[i].begin * ld_h,
+                                         c.parts[i].rows() * ld_h * 2, cudaMemcpyDeviceToDevice, stream_));
+        offset += c.parts[i].rows();
+      }
+      x_chunk = x_rows;
+    }
+    gemms_->accumulate_grad_weight(rows, V, ld_h, dz_rows, ld_v, x_chunk, g->grad_weight,
+                                   /*overwrite=*/first_weight_gemm);
+    first_weight_gemm = false;
+    offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
-      const std::int64_t rows = part.rows();
-      __nv_bfloat16* dz_part = dz + offset * ld_v;
-      float* gx = grad_x_part + offset * ld_h;
-      launch_dz(part_logits(part, offset), coefficients, row_max, lse, z_target, dz_part, ld_v, target_coef,
-                stream_);
-      gemms_->grad_x(rows, V, ld_h, dz_part, ld_v, p.weight, gx);
-      gemms_->accumulate_grad_weight(rows, V, ld_h, dz_part, ld_v, p.x + part.begin * ld_h, g->grad_weight,
-                                     /*overwrite=*/first_weight_gemm);
-      first_weight_gemm = false;
-      launch_grad_x_finish(gx, rows, part.begin, H, ld_h, p.weight, p.target, target_coef, g->grad_x, stream_);
-      launch_target_scatter(p.x, rows, part.begin, H, ld_h, p.target, target_coef, g->grad_weight, g->grad_bias,
-                            stream_);
-      if (g->grad_bias) launch_bias_column_sums(dz_part, ld_v, rows, V, g->grad_bias, stream_);
-      offset += rows;
+      launch_grad_x_finish(gx_rows + offset * ld_h, part.rows(), part.begin, H, ld_h, p.weight, p.target,
+                           target_coef, g->grad_x, stream_);
+      launch_target_scatter(p.x, part.rows(), part.begin, H, ld_h, p.target, target_coef, g->grad_weight,
+                            g->grad_bias, stream_);
+      offset += part.rows();
+    }
+    if (g->grad_bias) launch_bias_column_sums(dz_rows, ld_v, rows, V, g->grad_bias, stream_);
+  };
+  auto backward_of = [&](const Chunk& c) {
+    if (tuning.gradient_gemms_per_chunk || c.part_count == 1) return backward_rows(c, 0);
+    std::int64_t at = 0;
+    for (int i = 0; i < c.part_count; ++i) {  // Tuning::gradient_gemms_per_chunk = false: a part at a time
+      Chunk one;
+      one.parts[0] = c.parts[i];
+      backward_rows(one, at);
+      at += c.parts[i].rows();
     }
   };
   auto pair_math = [&](std::int64_t pair_begin, std::int64_t pair_end) {
@@ -186,21 +261,21 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   switch (schedule.mode) {
     case Mode::three_pass:
       for (const Chunk& c : schedule.chunks) {
-        logits_of(c, /*with_stats=*/true);
+        logits_of(c, /*with_stats=*/true, /*store=*/true);
         pair_math(c.pair_begin, c.pair_end);
         backward_of(c);
       }
       break;
     case Mode::two_pass:
-      for (const Chunk& c : schedule.chunks) logits_of(c, true);
+      for (const Chunk& c : schedule.chunks) logits_of(c, true, /*store=*/!epilogue_stats);
       pair_math(0, P);
       for (const Chunk& c : schedule.chunks) {
-        logits_of(c, /*with_stats=*/false);  // recomputed: the budget could not keep a whole pair's logits
+        logits_of(c, /*with_stats=*/false, true);  // recomputed: the budget could not keep a whole pair's logits
         backward_of(c);
       }
       break;
     case Mode::forward_only:
-      for (const Chunk& c : schedule.chunks) logits_of(c, true);
+      for (const Chunk& c : schedule.chunks) logits_of(c, true, /*store=*/false);
       break;
   }
   if (g && g->grad_weight_bf16) launch_round_to_bf16(g->grad_weight, ld_h, V, H, g->grad_weight_bf16, stream_);

@@ -3,6 +3,8 @@
 //   kernel                    pass            what it does
 //   row_stats_kernel          1 (forward)     per token row of fp32 logits (+ bias): max, log-sum-exp, the target
 //                                             logit, the row sum (for the logits means)
+//   merge_tile_stats_kernel   1 (forward)     the same four from the logits GEMM epilogue's per-tile partials
+//                                             (promoted_stats.h), which replace row_stats_kernel's read of the logits
 //   pair_math_kernel          between 1 and 2 per pair: the two sequences' averages of log p and dL/davg of each
 //   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t)
 //   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
@@ -144,6 +146,41 @@ __global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, flo
     z_target[r] = t != a.ignore_index ? load1<kBias>(row, a.bias, t) - total.max : 0.0f;
     rowsum[r] = total_sum;
   }
+}
+
+// 32 rows per block, 8 warps striding over the tiles: each warp reads 32 consecutive rows of one tile
+// (coalesced in the [tiles, ld] layout), then warp 0 merges the 8 partial states per row.
+constexpr int kMergeRows = 32;
+__global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStatsRows a, float* row_max, float* lse,
+                                                                      float* z_target, double* rowsum) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t local = std::int64_t(blockIdx.x) * kMergeRows + lane;
+  m::LogSumExp<float> state = m::lse_empty<float>();
+  double sum = 0;
+  if (local < a.rows)
+    for (std::int64_t t = warp; t < a.tiles; t += kWarps) {
+      const std::int64_t at = t * a.ld + local;
+      state = m::lse_merge(state, m::LogSumExp<float>{a.tile_max[at], a.tile_sum_exp[at]});
+      sum += a.tile_sum[at];
+    }
+  __shared__ float shared_max[kWarps][kMergeRows], shared_sum[kWarps][kMergeRows];
+  __shared__ double shared_total[kWarps][kMergeRows];
+  shared_max[warp][lane] = state.max;
+  shared_sum[warp][lane] = state.sum;
+  shared_total[warp][lane] = sum;
+  __syncthreads();
+  if (warp != 0 || local >= a.rows) return;
+  m::LogSumExp<float> total = m::lse_empty<float>();
+  double total_sum = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    total = m::lse_merge(total, m::LogSumExp<float>{shared_max[w][lane], shared_sum[w][lane]});
+    total_sum += shared_total[w][lane];
+  }
+  const std::int64_t r = a.row_begin + local, t = a.target[r];
+  row_max[r] = total.max;
+  lse[r] = m::lse_value(m::LogSumExp<float>{0.0f, total.sum});  // relative to the max, as row_stats_kernel
+  z_target[r] = t != a.ignore_index ? a.z_target_raw[r] - total.max : 0.0f;
+  rowsum[r] = total_sum;
 }
 
 // ---- per pair ----
@@ -315,6 +352,14 @@ void launch_row_stats(const LogitRows& a, float* row_max, float* lse, float* z_t
     row_stats_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, row_max, lse, z_target, rowsum);
   else
     row_stats_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, row_max, lse, z_target, rowsum);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_merge_tile_stats(const TileStatsRows& a, float* row_max, float* lse, float* z_target, double* rowsum,
+                             cudaStream_t stream) {
+  if (a.rows == 0) return;
+  merge_tile_stats_kernel<<<grid_rows((a.rows + kMergeRows - 1) / kMergeRows), kRowThreads, 0, stream>>>(
+      a, row_max, lse, z_target, rowsum);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -28,6 +28,22 @@ struct LogitRows {
 // in double.
 void launch_row_stats(const LogitRows&, float* row_max, float* lse, float* z_target, double* rowsum, cudaStream_t);
 
+// Pass 1 with the statistics from the logits GEMM's epilogue (promoted_stats.h): for the part's rows, folds the
+// per-tile partials tile_max / tile_sum_exp / tile_sum ([tiles, ld], the part's row i at column i) and the raw
+// target logit z_target_raw[r] (global rows; bias included) into the same four arrays launch_row_stats fills.
+struct TileStatsRows {
+  const float* tile_max;
+  const float* tile_sum_exp;
+  const double* tile_sum;
+  std::int64_t ld, tiles;
+  std::int64_t rows, row_begin;
+  const float* z_target_raw;  // [N]
+  const std::int64_t* target; // [N]
+  std::int64_t ignore_index;
+};
+void launch_merge_tile_stats(const TileStatsRows&, float* row_max, float* lse, float* z_target, double* rowsum,
+                             cudaStream_t);
+
 // Pair math for pairs [pair_begin, pair_end): dL/davg[b] (avg_grad) for both sequences of each pair, in double
 // from the fp32 row stats, exactly the formulas of fused/forward_outputs.cpp. (The averages themselves, and the
 // loss, are the host's: fused/forward_outputs.cpp from the copied row stats.)

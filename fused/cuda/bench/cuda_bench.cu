@@ -138,7 +138,15 @@ int main(int argc, char** argv) {
       tuning.promoted.swizzle = static_cast<int>(next());
       tuned = true;
     } else if (a == "--max-chunk-rows") max_chunk_rows = next();
-    else if (a == "--forward-chunk-rows") {
+    else if (a == "--gemms-per-part") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      tuning.gradient_gemms_per_chunk = false;
+      tuned = true;
+    } else if (a == "--no-epilogue-stats" || a == "--epilogue-stats") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      tuning.epilogue_stats = a == "--epilogue-stats";
+      tuned = true;
+    } else if (a == "--forward-chunk-rows") {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.forward_chunk_rows = next();
       tuned = true;
@@ -147,7 +155,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
-                   "                  [--forward-chunk-rows n (0: as the budget allows)]\n"
+                   "                  [--forward-chunk-rows n (0: as the budget allows)] [--epilogue-stats | --no-epilogue-stats] [--gemms-per-part]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
                    "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
@@ -159,7 +167,9 @@ int main(int argc, char** argv) {
       tuning.logits == Tuning::Logits::promoted
           ? std::string("promoted GEMM (") + promoted_variant_name(tuning.promoted.variant) + ") every " +
                 std::to_string(tuning.promotion_k) + " k, swizzle " + std::to_string(tuning.promoted.swizzle) +
-                ", forward chunks <= " + std::to_string(tuning.forward_chunk_rows) + " rows"
+                ", forward chunks <= " + std::to_string(tuning.forward_chunk_rows) + " rows, statistics " +
+                (tuning.epilogue_stats && tuning.promoted.variant == 0 ? "in the GEMM epilogue" : "by row_stats_kernel") +
+                (tuning.gradient_gemms_per_chunk ? ", gradient GEMMs per chunk" : ", gradient GEMMs per part")
           : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
   try {
     cudaDeviceProp prop{};

@@ -67,14 +67,16 @@ fi
 if want bench; then
   echo "== cuda_bench, default (B 2 4 8 16)"
   "$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
-  # Each other promoted variant at every B (BENCH_VARIANTS, default: the split-N 128x256 tile), then the
-  # one-cuBLAS-GEMM fast mode (biased scalars) and chunks capped at 2048 rows for the forward too.
+  # Each other promoted variant at every B (BENCH_VARIANTS, default: the split-N 128x256 tile; its statistics
+  # come from row_stats_kernel), then the BENCH_EXTRA forms.
   for v in ${BENCH_VARIANTS:-3}; do
     echo "== cuda_bench --variant $v"
     "$stage/cuda_bench" --variant $v 2>&1 | tee -a "$OUT/bench.log"
   done
-  extra=("--logits-k-splits 1" "--forward-chunk-rows 0")
-  [ -n "${BENCH_EXTRA+x}" ] && extra=(${BENCH_EXTRA:+"$BENCH_EXTRA"})
+  # BENCH_EXTRA: ';'-separated argument sets, each run at B = 2 and 16 (empty: none). Default: each change of
+  # issue 8's second round undone alone, then both (the path before it), then the one-cuBLAS-GEMM fast mode.
+  extra=("--no-epilogue-stats" "--gemms-per-part" "--no-epilogue-stats --gemms-per-part" "--logits-k-splits 1")
+  [ -n "${BENCH_EXTRA+x}" ] && IFS=';' read -r -a extra <<< "$BENCH_EXTRA"
   for args in "${extra[@]}"; do
     echo "== cuda_bench --B 2 16 $args"
     "$stage/cuda_bench" --B 2 16 $args 2>&1 | tee -a "$OUT/bench.log"
@@ -84,7 +86,7 @@ if want bench; then
     "$stage/cuda_bench" --B 2 16 --workspace-mib 256 --reps 5 2>&1 | tee -a "$OUT/bench.log"
   fi
   python3 "$(dirname "$0")/speed_table.py" "$OUT/bench.log" --json "$OUT/speed.json" --png "$OUT/speed.png" \
-    ${PEERS_JSON:+--peers "$PEERS_JSON"} 2>&1 | tee -a "$OUT/bench.log"
+    --peers "${PEERS_JSON:-$(dirname "$0")/peers.json}" 2>&1 | tee -a "$OUT/bench.log"
 fi
 
 if want sanitize; then

@@ -12,6 +12,7 @@ cuBLAS GEMMs, 3 and 1), the 1.15x / 1.10x bars and the peers' full steps.
 import argparse
 import json
 import sys
+import textwrap
 
 
 def read_rows(paths):
@@ -65,16 +66,16 @@ def main():
         ax.plot(B, [1.15 * r["floor_full_ms"] for r in default], "k:", label="bar: 1.15x floor")
         ax.plot(B, [r["fused_fwd_ms"] for r in default], "s-", label="fused forward")
         ax.plot(B, [r["floor_fwd_ms"] for r in default], "--", color="gray", label="floor: 1 GEMM")
-        for peer, p in peers.items():
-            ax.plot(p["B"], p["full_ms"], "^-", alpha=0.7, label=peer + " full step")
+        for peer, p in peers.items():  # "ours" there is the python module driven by torch (python/README.md)
+            ax.plot(p["B"], p["full_ms"], "^-", alpha=0.7, label=peer + " full step (peers JSON)")
         ax.set_xlabel("B (sequences of T=1024; H=4096, V=128256)")
         ax.set_ylabel("ms (median)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(B, [str(b) for b in B])
         ax.grid(True, which="both", alpha=0.3)
-        ax.set_title(name, fontsize=7)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.set_title("\n".join(textwrap.wrap(name, 110)), fontsize=7)
+        ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)
     for r in rows:

@@ -5,6 +5,7 @@
 #include "fused/cuda/cuda_backend.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/promoted_gemm.h"
+#include "fused/cuda/promoted_stats.h"
 #include "fused/fused.h"
 #include "fused/schedule.h"
 #include "fused/tests/backend_suite.h"
@@ -72,9 +73,49 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
         tuning.logits = cuda::Tuning::Logits::promoted;
         tuning.promotion_k = promotion_k;
         tuning.promoted.variant = variant;
+        tuning.epilogue_stats = false;  // the variant computes the logits; the statistics: row_stats_kernel
         const TensorMap out = cuda::compute(problem, cuda_options(), tuning);
         expect_meets_bar(out, exact, spec.logit_scale);
       }
+  }
+}
+
+// The row statistics from the promoted GEMM's epilogue (promoted_stats.h; Tuning::epilogue_stats): the
+// same function as row_stats_kernel over stored logits, in every schedule (three_pass stores the logits too;
+// two_pass's first pass and forward_only store none), with a bias, random ignored rows and a custom
+// ignore_index, at V not a multiple of the 192-wide tile (196: a last tile of 4 columns) or a multiple (384),
+// rows not a multiple of the 128-row tile; against the previous path (row_stats_kernel, gradient GEMMs per part).
+TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::promoted_stats_available())
+    GTEST_SKIP() << "the epilogue statistics need the promoted GEMM (CUTLASS build, compute capability 9.0)";
+  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 196}, Shape{.B = 2, .T = 300, .H = 64, .V = 384}}) {
+    CaseSpec spec = spec_of(shape, 30.0, 35);
+    spec.bias = true;
+    spec.ignore = IgnorePattern::random;
+    spec.hp.ignore_index = 7;  // inside [0, V): an ignored row must not gather column 7
+    const Problem problem = generate(spec);
+    const TensorMap exact = reference::compute(problem);
+    reference::Options forward_ref;
+    forward_ref.gradients = false;
+    const TensorMap exact_forward = reference::compute(problem, forward_ref);
+    for (const std::int64_t chunk_rows : {std::int64_t{0}, shape.T - 1}) {  // three_pass, two_pass
+      for (const bool gradients : {true, false}) {
+        SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows) +
+                     (gradients ? ", gradients" : ", forward only"));
+        Options options = cuda_options();
+        options.max_chunk_rows = chunk_rows;
+        options.gradients = gradients;
+        cuda::Tuning with = cuda::tuning_for(shape.H, options), without = with;
+        ASSERT_EQ(with.logits, cuda::Tuning::Logits::promoted);
+        with.epilogue_stats = true;
+        without.epilogue_stats = false;  // and the gradient GEMMs a part at a time: the previous path
+        without.gradient_gemms_per_chunk = false;
+        const TensorMap out = cuda::compute(problem, options, with);
+        expect_meets_bar(out, gradients ? exact : exact_forward, spec.logit_scale);
+        expect_same_to_fp32_noise(out, cuda::compute(problem, options, without), gradients ? &exact : &exact_forward);
+      }
+    }
   }
 }
 

@@ -1,0 +1,43 @@
+// The promoted logits GEMM (promoted_gemm.h, its default 128x192 tile) with the row statistics reduced in its
+// epilogue while each logits tile is still in registers: per row and per 192-column tile, the max, the sum of
+// exp(z - that max) and the sum of z, plus the target logit; merge_tile_stats (kernels.h) folds the tiles of a
+// row into fused/forward_outputs.h's RowStats. The forward then never writes fp32 logits (`logits` = nullptr:
+// a GEMM with no output but the statistics); the full step still stores them for dz, and drops the separate
+// statistics pass that read them back.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace simpo::fused::cuda {
+
+// Where the epilogue puts one GEMM's statistics. Partial arrays are [tiles, ld] (row fastest: a warp's writes
+// and the merge's reads are coalesced); the GEMM's row m lands at column m.
+struct LogitTileStats {
+  const __nv_bfloat16* bias = nullptr;   // [V] or nullptr: added to every logit for the statistics only
+  const std::int64_t* target = nullptr;  // [rows] the GEMM's rows' targets
+  std::int64_t ignore_index = -100;
+  std::int64_t ld = 0;                   // >= rows
+  float* tile_max = nullptr;             // [tiles, ld] the row's max over the tile's columns
+  float* tile_sum_exp = nullptr;         // [tiles, ld] sum of exp(z - tile_max)
+  double* tile_sum = nullptr;            // [tiles, ld] sum of z
+  float* z_target = nullptr;             // [rows] z at the target (bias added); untouched where ignored
+};
+
+// Built (CUTLASS, sm_90a) and the device runs it: promoted_logits_available().
+bool promoted_stats_available();
+// Column tiles of the statistics GEMM for V columns (its tile is 192 wide).
+std::int64_t promoted_stats_tiles(std::int64_t V);
+
+// logits[rows, ld_logits] = x weight^T as promoted_logits does (variant 0), or no logits at all when `logits`
+// is nullptr, with the statistics into `stats`. V must be a multiple of 4 (the fp32 TMA store's unit; the
+// runner keeps the separate statistics pass otherwise). Throws CudaError when it cannot run the shape.
+void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
+                           const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits,
+                           std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,
+                           void* workspace, std::size_t workspace_bytes);
+
+}  // namespace simpo::fused::cuda
