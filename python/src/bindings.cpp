@@ -345,6 +345,19 @@ struct Judge {
     nb::gil_scoped_release release;
     scales = sv::ProblemScales::of(p, &exact);
   }
+  // The reference computed here (--reference auto), its dz pass handing the error model each row's off-target
+  // softmax: the scales then cost O(N) instead of recomputing fp32 logits (O(N H V)), as CaseRun does.
+  Judge(const Problem& p, bool gradients) {
+    nb::gil_scoped_release release;
+    simpo::reference::Options o;
+    o.gradients = gradients;
+    o.device = simpo::reference::Device::automatic;
+    simpo::reference::OffTargetSoftmax off_target;
+    o.off_target = &off_target;
+    exact = simpo::reference::compute(p, o);
+    scales = gradients ? sv::ProblemScales::of(p, &exact, &off_target) : sv::ProblemScales::of(p, &exact);
+  }
+  nb::dict exact_wire() const { return wire_of(exact); }
   nb::dict check(const std::map<std::string, WireTensor>& candidate, const std::string& profile, double rtol,
                  double atol) const {
     const TensorMap c = simpo::outputs_from_file(simpo::SafetensorsFile{tensors_from(candidate), {}}, "candidate");
@@ -492,6 +505,8 @@ NB_MODULE(_core, m) {
   // candidate of the same inputs: what check() with a shared reference and the peers' published case use.
   nb::class_<Judge>(m, "Judge")
       .def(nb::init<const Problem&, const std::map<std::string, WireTensor>&>(), "problem"_a, "exact"_a)
+      .def(nb::init<const Problem&, bool>(), "problem"_a, "gradients"_a)
+      .def("exact", &Judge::exact_wire)
       .def("check", &Judge::check, "candidate"_a, "profile"_a, "rtol"_a = 0.0, "atol"_a = 0.0);
 
   m.def("sweep", &sweep, "fn"_a, "name"_a, "seed"_a, "cases"_a, "time_budget_s"_a, "shrink"_a,

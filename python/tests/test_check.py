@@ -76,3 +76,21 @@ def test_unknown_output_name_is_an_error(case):
     inputs, out = case
     with pytest.raises(sv.InputError, match="unknown output tensor"):
         sv.check(inputs, dict(out, grad_z=out["grad_x"]))
+
+
+def test_judge_takes_the_softmax_norms_from_its_own_reference(case):
+    """Judge(inputs) computes the reference itself and takes each row's off-target softmax from its dz pass (O(N));
+    given exact=, it recomputes them from fp32 logits (O(N H V)). The same reference outputs, and bounds that agree
+    to the fp32 recomputation's rounding, so the same verdicts."""
+    inputs, out = case
+    own = sv.Judge(inputs)
+    given = sv.Judge(inputs, exact=sv.reference(inputs))
+    for k, v in given.exact.items():
+        np.testing.assert_array_equal(own.exact[k], v)
+    bad = dict(out, grad_x=(out["grad_x"].astype(np.float32) * 1.01).astype(ml_dtypes.bfloat16))
+    for cand in (out, bad):
+        a, b = own.check(cand), given.check(cand)
+        assert [r["verdict"] for r in a.rows] == [r["verdict"] for r in b.rows]
+        for ra, rb in zip(a.rows, b.rows):
+            assert ra["frob_bound"] == pytest.approx(rb["frob_bound"], rel=1e-4), ra["name"]
+    assert own.check(out).passed and own.check(bad).failed() == ["grad_x"]
