@@ -30,6 +30,16 @@ python3 -c "import simpo_verify as sv, torch; print('simpo_verify', sv.__file__,
 
 start=$(date +%s)
 stage1=$((SWEEP_BUDGET + 55))  # cases, then up to 8 s of shrinking per failing property, then re-judging
+if [ -n "${FIXED_ONLY:-}" ]; then  # e.g. FIXED_ONLY="liger cce" SWEEP_BUDGET=240: those fixed-shape sweeps alone
+  for p in $FIXED_ONLY; do
+    timeout $stage1 python3 python/tools/sweep_peer.py $p $R --fixed --cases $CASES --budget $SWEEP_BUDGET \
+      --shrink-seconds 4 > $R/sweep-$p-fixed.log 2>&1 &
+  done
+  wait
+  grep -h -E "cases in|^wall|liger compiles" $R/sweep-*.log
+  tar czf $OUT/results.tgz -C $R . && rm -rf $R; ls -la $OUT
+  exit 0
+fi
 for p in ours torch_eager liger cce cce_exact; do
   timeout $stage1 python3 python/tools/sweep_peer.py $p $R --fixed --cases $CASES --budget $SWEEP_BUDGET \
     --shrink-seconds 8 > $R/sweep-$p-fixed.log 2>&1 &
