@@ -170,7 +170,7 @@ void write_safetensors(const std::string& path, const SafetensorsFile& file, con
   const std::string bytes = serialize_safetensors(file);
   const std::filesystem::path target(path);
   const std::filesystem::path folder = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
-  std::string tmp = (folder / ("." + target.filename().string() + ".XXXXXX")).string();
+  std::string tmp = (folder / std::string(".").append(target.filename().string()).append(".XXXXXX")).string();  // (GCC 12 -Wrestrict misfires on "." + string)
   const int fd = mkstemp(tmp.data());
   if (fd < 0) throw InputError(path + ": cannot create a temporary file in " + folder.string() + " (" + errno_text() + ")");
   auto fail = [&](const std::string& why) {

@@ -38,6 +38,12 @@ void accumulate_grad_weight(const double* dz, const double* x, double* grad_w, s
   cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, k, 1.0, dz, m, x, n, overwrite ? 0.0 : 1.0, grad_w, n);
 }
 
+int set_threads(int threads) {
+  const int previous = openblas_get_num_threads();
+  openblas_set_num_threads(threads);
+  return previous;
+}
+
 std::string description() {
   return std::string(openblas_get_config()) + " (kernel " + openblas_get_corename() + ", " +
          std::to_string(openblas_get_num_threads()) + " threads)";

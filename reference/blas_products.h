@@ -18,6 +18,9 @@ void grad_x(const double* dz, const double* w, double* grad_x, std::int64_t rows
 void accumulate_grad_weight(const double* dz, const double* x, double* grad_w, std::int64_t rows, std::int64_t V,
                             std::int64_t H, bool overwrite = false);
 
+// The threads OpenBLAS gives each product (process-wide); returns the previous count.
+int set_threads(int);
+
 // "OpenBLAS 0.3.21 ... (kernel Zen, 2 threads)": what the products ran on, for the bench's report.
 std::string description();
 

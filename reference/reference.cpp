@@ -372,6 +372,8 @@ Device resolve(Device d) {
   return d;
 }
 
+int set_cpu_product_threads(int threads) { return blas::set_threads(threads); }
+
 Device resolve(Device d, const Shape& s) {
   constexpr double gpu_worthwhile = double(std::int64_t{1} << 28);  // multiply-adds of the logits GEMM
   if (d == Device::automatic)

@@ -55,6 +55,11 @@ struct Options {
   OffTargetSoftmax* off_target = nullptr;
 };
 
+// Threads the CPU reference gives each of its products (OpenBLAS's, process-wide; default: every core); returns the
+// previous count. A parallel sweep sets 1 while it runs: its cases already occupy every core, and small products
+// lose more to BLAS threading than they gain (measured: 300 sweep cases in 4.8 s with 2 BLAS threads, 2.8 s with 1).
+int set_cpu_product_threads(int);
+
 // Host memory compute() takes for this shape beyond the problem itself. CPU: the inputs widened to float64, the
 // float64 gradients, one chunk of float64 logits and a few numbers per row (about 16 (N H + V H) + 8 chunk V bytes:
 // 10.6 GB at the published B = 2, 11.6 GB at B = 16). Options::device = cuda: the float64 gradients and a few

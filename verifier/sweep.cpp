@@ -1,5 +1,7 @@
 #include "verifier/sweep.h"
 
+#include "reference/reference.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -9,6 +11,8 @@
 #include <sstream>
 #include <thread>
 #include <vector>
+
+#include <omp.h>
 
 namespace simpo::verifier {
 
@@ -45,6 +49,14 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
     std::vector<Outcome> outcomes;
     std::optional<Report> strict_report;
   };
+  // Cases in parallel: each reference product on one thread too, restored however the sweep ends.
+  struct ProductThreads {
+    int previous = 0;
+    explicit ProductThreads(bool parallel) : previous(parallel ? reference::set_cpu_product_threads(1) : 0) {}
+    ~ProductThreads() {
+      if (previous > 0) reference::set_cpu_product_threads(previous);
+    }
+  } product_threads(threads > 1);
   std::vector<Judged> batch;
   std::size_t next = 0;  // batch[next] is the next case to account for
   for (std::int64_t i = 0;; ++i) {
@@ -74,6 +86,9 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
         std::vector<std::thread> pool;
         for (int t = 0; t < std::min<std::int64_t>(threads, n); ++t)
           pool.emplace_back([&] {
+            // One case per core: the OpenMP loops inside a case run on this thread alone (each std::thread would
+            // otherwise start a team as wide as the machine, and small cases drown in fork/join and spinning).
+            omp_set_num_threads(1);
             for (std::size_t k; (k = claimed++) < batch.size();) try {
                 judge(batch[k]);
               } catch (...) {

@@ -7,7 +7,8 @@
 #   reference/cuda/gpu_run.sh run STAGE           (there, from the repository root) ctest -L gpu, memcheck of the
 #                                                agreement sweep, reference_cuda_bench at the published workload
 #                                                (B = 2, 16), the portable CPU reference's bench on the host's
-#                                                cores, and simpo-verify case at B = 2 when built; logs in $OUT
+#                                                cores, the main job's throughput with the cuda backend
+#                                                (step mainjob) and simpo-verify case at B = 2 when built; logs in $OUT
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
@@ -73,6 +74,16 @@ fi
 if [[ $steps == *" cpu "* ]]; then
   echo "== the portable CPU reference on this host's cores (a quarter of the B = 2 workload)"
   timeout 50 "$stage/reference_bench" --B 2 --T 256 --H 4096 --V 128256 2>&1 | tee "$OUT/cpu_bench.log"
+fi
+if [[ $steps == *" mainjob "* ]] && [ -x "$stage/simpo-verify" ]; then
+  # Issue 12's throughput bar: cases judged per second by the main job with the cuda backend, on every core and
+  # on one (the sequential sweep the 3,058 cases/minute baseline was measured with).
+  for threads in 0 1; do
+    echo "== simpo-verify --impl cuda --no-fixtures --time-budget ${SIMPO_MAINJOB_S:-30} --threads $threads"
+    "$stage/simpo-verify" --impl cuda --no-fixtures --time-budget ${SIMPO_MAINJOB_S:-30} --threads $threads \
+      --counterexample-dir "$OUT/counterexamples" > "$OUT/mainjob-$threads.log" 2>&1
+    echo "main job exit $?"; grep -E "cases in|passed, .* failed|FAILED" "$OUT/mainjob-$threads.log" | head -5
+  done
 fi
 if [[ $steps == *" case "* ]] && [ -x "$stage/simpo-verify" ]; then
   echo "== simpo-verify case --B 2 --T 1024 --H 4096 --V 128256 --impl cuda --reference cuda"
