@@ -38,24 +38,15 @@ namespace {
 
 constexpr std::int64_t compare_block = std::int64_t{1} << 16;
 
-TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
-                            const Tensor& cand, const Profile& profile) {
-  TensorReport r;
-  r.name = name;
-  r.dtype = dtype_name(cand.dtype);
-  r.shape = cand.shape;
-  r.numel = cand.numel();
+// The measurements and the verdict, with element access e_at(i), c_at(i) (doubles) chosen by compare_tensor.
+template <class ExactAt, class CandAt>
+TensorReport measure(const ProblemScales& scales, const std::string& name, const Tensor& exact, const Tensor& cand,
+                     const Profile& profile, TensorReport r, ExactAt e_at, CandAt c_at) {
   auto fail = [&](std::string why) {
     r.verdict = Verdict::failed;
     r.reason = std::move(why);
     return r;
   };
-  if (cand.dtype == DType::I64) return fail("dtype I64 is not a floating-point output");
-  if (cand.shape != exact.shape)
-    return fail("shape " + shape_string(cand.shape) + ", expected " + shape_string(exact.shape));
-  if (static_cast<std::int64_t>(cand.bytes.size()) != cand.numel() * static_cast<std::int64_t>(dtype_size(cand.dtype)))
-    return fail("holds " + std::to_string(cand.bytes.size()) + " bytes for shape " + shape_string(cand.shape));
-
   // Pass 1: norms, floor, the largest error, non-finite values. In fixed blocks on every core, the blocks' sums
   // added in block order: the same numbers whatever the thread count (one block, the plain sequential sums, below
   // 64Ki elements). grad_weight of the published workload is 525M elements.
@@ -70,7 +61,7 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
   for (std::int64_t b = 0; b < blocks; ++b) {
     Sums& p = partial[static_cast<std::size_t>(b)];
     for (std::int64_t i = b * compare_block; i < std::min(n, (b + 1) * compare_block); ++i) {
-      const double e = exact.value(i), c = cand.value(i);
+      const double e = e_at(i), c = c_at(i);
       if (!std::isfinite(c) && std::isfinite(e)) {
         if (p.non_finite++ == 0) p.first_non_finite = i;
         continue;
@@ -98,8 +89,8 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
     }
     if (p.non_finite > 0 && r.non_finite == 0) {
       r.max_abs_at = index_string(p.first_non_finite, exact.shape);
-      r.reference_at_max = exact.value(p.first_non_finite);
-      r.candidate_at_max = cand.value(p.first_non_finite);
+      r.reference_at_max = e_at(p.first_non_finite);
+      r.candidate_at_max = c_at(p.first_non_finite);
     }
     r.non_finite += p.non_finite;
   }
@@ -112,8 +103,8 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
   r.ratio = r.floor > 0 ? r.rel_frob / r.floor : (r.rel_frob > 0 ? INFINITY : 0.0);
   if (worst >= 0) {
     r.max_abs_at = index_string(worst, exact.shape);
-    r.reference_at_max = exact.value(worst);
-    r.candidate_at_max = cand.value(worst);
+    r.reference_at_max = e_at(worst);
+    r.candidate_at_max = c_at(worst);
   }
 
   // The tolerances.
@@ -143,7 +134,7 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
     for (std::int64_t row = 0; row < N; ++row) {
       double err_sq = 0, floor_sq = 0;
       for (std::int64_t h = 0; h < H; ++h) {
-        const double e = exact.value(row * H + h), c = cand.value(row * H + h);
+        const double e = e_at(row * H + h), c = c_at(row * H + h);
         const double fl = round_to(cand.dtype, e) - e;
         err_sq += (c - e) * (c - e);
         floor_sq += fl * fl;
@@ -170,7 +161,7 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
   std::int64_t beyond = 0;
 #pragma omp parallel for schedule(static) reduction(max : worst_elementwise) reduction(+ : beyond)
   for (std::int64_t i = 0; i < n; ++i) {
-    const double e = exact.value(i), c = cand.value(i);
+    const double e = e_at(i), c = c_at(i);
     const double allowed = r.atol + r.rtol * std::fabs(e);
     const double err = std::fabs(c - e);
     if (err > allowed) ++beyond;
@@ -190,6 +181,49 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
     return fail("rel_frob " + sci(r.rel_frob) + " > bound " + sci(r.frob_bound) + " (" + sci(r.ratio) + " x floor)");
   r.verdict = Verdict::passed;
   return r;
+}
+
+TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
+                            const Tensor& cand, const Profile& profile) {
+  TensorReport r;
+  r.name = name;
+  r.dtype = dtype_name(cand.dtype);
+  r.shape = cand.shape;
+  r.numel = cand.numel();
+  auto fail = [&](std::string why) {
+    r.verdict = Verdict::failed;
+    r.reason = std::move(why);
+    return r;
+  };
+  if (cand.dtype == DType::I64) return fail("dtype I64 is not a floating-point output");
+  if (cand.shape != exact.shape)
+    return fail("shape " + shape_string(cand.shape) + ", expected " + shape_string(exact.shape));
+  if (static_cast<std::int64_t>(cand.bytes.size()) != cand.numel() * static_cast<std::int64_t>(dtype_size(cand.dtype)))
+    return fail("holds " + std::to_string(cand.bytes.size()) + " bytes for shape " + shape_string(cand.shape));
+
+  // Typed element access for the usual pairing, a float64 reference and a bf16, f32 or f64 candidate: the
+  // per-element dtype switch of Tensor::value was most of judging a 525M-element grad_weight.
+  if (exact.dtype == DType::F64) {
+    const double* e = exact.as<double>().data();
+    auto e_at = [e](std::int64_t i) { return e[i]; };
+    switch (cand.dtype) {
+      case DType::BF16: {
+        const bf16* c = cand.as<bf16>().data();
+        return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(static_cast<float>(c[i])); });
+      }
+      case DType::F32: {
+        const float* c = cand.as<float>().data();
+        return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(c[i]); });
+      }
+      case DType::F64: {
+        const double* c = cand.as<double>().data();
+        return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return c[i]; });
+      }
+      case DType::I64: break;
+    }
+  }
+  return measure(scales, name, exact, cand, profile, r, [&](std::int64_t i) { return exact.value(i); },
+                 [&](std::int64_t i) { return cand.value(i); });
 }
 
 }  // namespace
