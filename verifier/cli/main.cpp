@@ -13,7 +13,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
+#include <future>
 #include <iostream>
 #include <sstream>
 
@@ -248,21 +250,39 @@ int run_case(const CaseArgs& a) {
   sv::RunOptions options = c.run_options();
   options.gradients = !a.no_grad;
   options.grad_f32 = a.grad_f32;
-  start = std::chrono::steady_clock::now();
-  const simpo::TensorMap candidate = impl.compute(problem, options);
-  const double candidate_s = seconds_since(start);
-  std::fprintf(stderr, "%s: %.3f s\n", impl.name.c_str(), candidate_s);
-
   simpo::reference::Options ro;
   simpo::reference::OffTargetSoftmax off_target;
   ro.gradients = !a.no_grad;
   ro.off_target = &off_target;
   ro.progress = [](double f) { std::fprintf(stderr, "\rreference: %3.0f%%", 100 * f); };
+  // The candidate and the reference share nothing but the (read-only) problem, so they run at once: on a GPU
+  // machine two streams, and each one's uploads and downloads overlap the other's work (the published case:
+  // 0.9 s and 1.2 s, one after the other). Each reports its own wall time.
   start = std::chrono::steady_clock::now();
-  const simpo::TensorMap exact = simpo::reference::compute(problem, ro);
-  const double reference_s = seconds_since(start);
-  std::fprintf(stderr, "\rreference (%s): %.3f s\n",
-               simpo::reference::device_name(simpo::reference::resolve(ro.device, problem.shape)).c_str(), reference_s);
+  double reference_s = 0;
+  auto reference_run = std::async(std::launch::async, [&] {
+    const auto t = std::chrono::steady_clock::now();
+    simpo::TensorMap out = simpo::reference::compute(problem, ro);
+    reference_s = seconds_since(t);
+    return out;
+  });
+  simpo::TensorMap candidate;
+  std::exception_ptr candidate_error;
+  try {
+    candidate = impl.compute(problem, options);
+  } catch (...) {
+    candidate_error = std::current_exception();
+  }
+  const double candidate_s = seconds_since(start);
+  if (candidate_error) {
+    reference_run.wait();
+    std::rethrow_exception(candidate_error);  // the candidate's refusal or fault is what the user asked about
+  }
+  std::fprintf(stderr, "\n%s: %.3f s\n", impl.name.c_str(), candidate_s);
+  const simpo::TensorMap exact = reference_run.get();
+  std::fprintf(stderr, "\rreference (%s): %.3f s (both done %.3f s after the start)\n",
+               simpo::reference::device_name(simpo::reference::resolve(ro.device, problem.shape)).c_str(), reference_s,
+               seconds_since(start));
 
   start = std::chrono::steady_clock::now();
   const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, a.no_grad ? nullptr : &off_target);
