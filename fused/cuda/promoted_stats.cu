@@ -100,12 +100,9 @@ struct RowStats {
           const int n = base_n + static_cast<int>(get<1>(coord));
           float z = static_cast<float>(frg_input[i]);
           if (params.bias != nullptr) z += __bfloat162float(params.bias[n]);
-          // lse_add without its branch (a warp diverges on new maxima, which are frequent early in a tile)
-          // and with the hardware exp2: one MUFU per logit. exp(-|d|) rescales the old sum (a new max) or is
-          // the new term; relative error ~2^-21 per term, ~1e-7 absolute on the lse, far under the bar.
-          const float max = max_mn(idx), d = z - max, e = __expf(-fabsf(d));
-          sum_exp_mn(idx) = d > 0.0f ? fmaf(sum_exp_mn(idx), e, 1.0f) : sum_exp_mn(idx) + e;
-          max_mn(idx) = fmaxf(max, z);
+          const m::LogSumExp<float> s = m::lse_add(m::LogSumExp<float>{max_mn(idx), sum_exp_mn(idx)}, z);
+          max_mn(idx) = s.max;
+          sum_exp_mn(idx) = s.sum;
           sum_mn(idx) += z;
           // One element of the whole grid matches a row's target: a single writer.
           if (n == target_mn(idx)) params.z_target[base_m + static_cast<int>(get<0>(coord))] = z;

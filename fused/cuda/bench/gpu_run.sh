@@ -8,6 +8,9 @@
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
 #                                                  and its variants), sanitize (memcheck on the suite, racecheck on
 #                                                  small cases); logs in $OUT
+# Knobs (environment): BENCH_VARIANTS, BENCH_EXTRA (';'-separated cuda_bench argument sets), SMALL_WORKSPACE,
+# PEERS_JSON (default: bench/peers.json), MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY. The
+# second round's run: BENCHMARKS.md, "Second round".
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
@@ -73,9 +76,9 @@ if want bench; then
     echo "== cuda_bench --variant $v"
     "$stage/cuda_bench" --variant $v 2>&1 | tee -a "$OUT/bench.log"
   done
-  # BENCH_EXTRA: ';'-separated argument sets, each run at B = 2 and 16 (empty: none). Default: each change of
-  # issue 8's second round undone alone, then both (the path before it), then the one-cuBLAS-GEMM fast mode.
-  extra=("--no-epilogue-stats" "--gemms-per-part" "--no-epilogue-stats --gemms-per-part" "--logits-k-splits 1")
+  # BENCH_EXTRA: ';'-separated argument sets, each run at B = 2 and 16 (empty: none). Default: the statistics in
+  # the GEMM epilogue (off by default), the gradient GEMMs per part (the path before), the one-cuBLAS-GEMM mode.
+  extra=("--epilogue-stats" "--gemms-per-part" "--logits-k-splits 1")
   [ -n "${BENCH_EXTRA+x}" ] && IFS=';' read -r -a extra <<< "$BENCH_EXTRA"
   for args in "${extra[@]}"; do
     echo "== cuda_bench --B 2 16 $args"

@@ -2,12 +2,15 @@
 """The speed table of the cuda backend as JSON and a PNG plot of time against B.
 
     speed_table.py BENCH_LOG [BENCH_LOG...] --json OUT.json [--png OUT.png] [--peers PEERS.json]
+                   [--series TEXT [--series TEXT ...]]
 
 BENCH_LOG: cuda_bench output; its "JSON {...}" lines (one per B: floor and fused times, extra memory, the logits
 GEMM used) are collected, the first line per (B, logits GEMM, workspace) kept. PEERS.json (optional, measured with
 torch, Liger and CCE in the same device call): {"peers": {"name": {"B": [..], "full_ms": [..], "fwd_ms": [..]}}}.
 The plot (matplotlib, present on the GPU machine) shows the fused full step and forward, the floors (bf16-output
-cuBLAS GEMMs, 3 and 1), the 1.15x / 1.10x bars and the peers' full steps.
+cuBLAS GEMMs, 3 and 1), the 1.15x / 1.10x bars and the peers' full steps. The fused series plotted: the first
+logits GEMM in the log (gpu_run.sh runs the default first), or each --series (rows whose logits description
+contains TEXT, LABEL=TEXT to name it; the floors are each B's first series' own).
 """
 import argparse
 import json
@@ -39,6 +42,7 @@ def main():
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
     ap.add_argument("--peers")
+    ap.add_argument("--series", action="append", default=[])
     args = ap.parse_args()
     rows = read_rows(args.logs)
     if not rows:
@@ -54,18 +58,30 @@ def main():
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        default = sorted((r for r in rows if r["workspace_mib"] == max(x["workspace_mib"] for x in rows)),
-                         key=lambda r: r["B"])
+        widest = max(x["workspace_mib"] for x in rows)
+        default = sorted((r for r in rows if r["workspace_mib"] == widest), key=lambda r: r["B"])
         # The first run in the log is the default one (gpu_run.sh runs it first).
-        name = default[0]["logits"] if default else rows[0]["logits"]
-        default = [r for r in default if r["logits"] == name]
-        B = [r["B"] for r in default]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.plot(B, [r["fused_full_ms"] for r in default], "o-", label="fused full step")
-        ax.plot(B, [r["floor_full_ms"] for r in default], "k--", label="floor: 3 bf16 cuBLAS GEMMs")
-        ax.plot(B, [1.15 * r["floor_full_ms"] for r in default], "k:", label="bar: 1.15x floor")
-        ax.plot(B, [r["fused_fwd_ms"] for r in default], "s-", label="fused forward")
-        ax.plot(B, [r["floor_fwd_ms"] for r in default], "--", color="gray", label="floor: 1 GEMM")
+        first = default[0]["logits"] if default else rows[0]["logits"]
+        pick = lambda text: [r for r in default if (text in r["logits"] if text else r["logits"] == first)]
+        # --series LABEL=TEXT names the series LABEL in the legend (TEXT alone: the text itself).
+        split = [(a.split("=", 1) if "=" in a else [a, a]) for a in args.series] or [[None, None]]
+        series = [(label, pick(text)) for label, text in split]
+        fig, ax = plt.subplots(figsize=(10, 4.8))
+        name = first if series[0][0] is None else "; ".join(label for label, _ in series)
+        floors = {}  # per B, the floors measured with the first series that has that B (the same process)
+        for _, rs in series:
+            for r in rs:
+                floors.setdefault(r["B"], r)
+        for r in default:
+            floors.setdefault(r["B"], r)
+        B = sorted(floors)
+        ax.plot(B, [floors[b]["floor_full_ms"] for b in B], "k--", label="floor: 3 bf16 cuBLAS GEMMs")
+        ax.plot(B, [1.15 * floors[b]["floor_full_ms"] for b in B], "k:", label="bar: 1.15x floor")
+        ax.plot(B, [floors[b]["floor_fwd_ms"] for b in B], "--", color="gray", label="floor: 1 GEMM")
+        for i, (text, rs) in enumerate(series):
+            tag = "" if len(series) == 1 else " [" + (text or first) + "]"
+            ax.plot([r["B"] for r in rs], [r["fused_full_ms"] for r in rs], "o-", label="fused full step" + tag)
+            ax.plot([r["B"] for r in rs], [r["fused_fwd_ms"] for r in rs], "s-", label="fused forward" + tag)
         for peer, p in peers.items():  # "ours" there is the python module driven by torch (python/README.md)
             ax.plot(p["B"], p["full_ms"], "^-", alpha=0.7, label=peer + " full step (peers JSON)")
         ax.set_xlabel("B (sequences of T=1024; H=4096, V=128256)")
@@ -75,7 +91,7 @@ def main():
         ax.set_xticks(B, [str(b) for b in B])
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title("\n".join(textwrap.wrap(name, 110)), fontsize=7)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)
     for r in rows:
