@@ -17,10 +17,10 @@ std::int64_t gemm_workspace_bytes(std::int64_t budget) {
 }
 
 // The workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that live for the
-// whole run, then the chunk buffers (logits, dz, grad_x) sized for the largest chunk.
-// Where the row statistics come from: `tiles` > 0 when the logits GEMM's epilogue reduces them
-// (promoted_stats.h; per row and column tile 16 bytes of partials), 0 for row_stats_kernel over stored logits.
-// Only the forward-only schedule then keeps no logits buffer at all.
+// whole run, then the chunk buffers sized for the largest chunk: fp32 logits, bf16 dz, fp32 grad_x, the chunk's
+// x rows gathered for the weight GEMM, and the epilogue statistics' tile partials. `tiles` > 0 when the logits
+// GEMM's epilogue reduces the statistics (promoted_stats.h; 16 bytes per row and 192-column tile), 0 for
+// row_stats_kernel over stored logits; with it the forward-only schedule keeps no logits buffer at all.
 struct Layout {
   std::int64_t gemm = 0, row_max = 0, lse = 0, z_target = 0, z_target_raw = 0, target_coef = 0, rowsum = 0,
                avg_grad = 0, completion_tokens = 0, fixed = 0;
@@ -57,7 +57,7 @@ Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::in
 
 void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool gradients) {
   const std::int64_t ld_v = padded(s.V), ld_h = padded(s.H);
-  const std::int64_t gradient_rows = gradients ? rows : 0;  // forward only: logits alone
+  const std::int64_t gradient_rows = gradients ? rows : 0;  // forward only: logits (or tile partials) alone
   std::int64_t at = l.fixed - 7 * kAlign;
   l.logits = at;
   at += align_up(l.keeps_logits(gradients) ? rows * ld_v * 4 : 0);
@@ -160,7 +160,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   auto part_logits = [&](const RowRange& part, std::int64_t offset) {
     return LogitRows{logits + offset * ld_v, ld_v, part.rows(), part.begin, V, p.bias, p.target, hp.ignore_index};
   };
-  // with_stats: the pass that produces the row statistics; store: whether dz will read this chunk's logits.
+  // with_stats: the pass that produces the row statistics; store: whether dz will read this chunk's logits
+  // (only the epilogue statistics can skip storing them: row_stats_kernel reads them).
   auto logits_of = [&](const Chunk& c, bool with_stats, bool store) {
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
