@@ -3,13 +3,12 @@
 #include "reference/reference.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <exception>
 #include <optional>
 #include <sstream>
-#include <thread>
+#include <thread>  // hardware_concurrency
 #include <vector>
 
 #include <omp.h>
@@ -80,22 +79,21 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
       if (threads == 1) {
         judge(batch[0]);
       } else {
-        // Exceptions other than a property's verdict (check_case catches those) end the sweep, as before.
+        // Exceptions other than a property's verdict (check_case catches those) end the sweep, as before. OpenMP's
+        // team persists from batch to batch, so per-thread state (reference-cuda's stream and cuBLAS handle) is
+        // made once per thread, not once per batch. Inside a case, OpenMP loops run on the case's thread alone
+        // (no nested teams: small cases would drown in fork/join and spinning).
         std::vector<std::exception_ptr> errors(batch.size());
-        std::atomic<std::size_t> claimed{0};
-        std::vector<std::thread> pool;
-        for (int t = 0; t < std::min<std::int64_t>(threads, n); ++t)
-          pool.emplace_back([&] {
-            // One case per core: the OpenMP loops inside a case run on this thread alone (each std::thread would
-            // otherwise start a team as wide as the machine, and small cases drown in fork/join and spinning).
-            omp_set_num_threads(1);
-            for (std::size_t k; (k = claimed++) < batch.size();) try {
-                judge(batch[k]);
-              } catch (...) {
-                errors[k] = std::current_exception();
-              }
-          });
-        for (auto& t : pool) t.join();
+        const auto count = static_cast<std::int64_t>(batch.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (std::int64_t k = 0; k < count; ++k) {
+          omp_set_num_threads(1);
+          try {
+            judge(batch[static_cast<std::size_t>(k)]);
+          } catch (...) {
+            errors[static_cast<std::size_t>(k)] = std::current_exception();
+          }
+        }
         for (const auto& e : errors)
           if (e) std::rethrow_exception(e);
       }
