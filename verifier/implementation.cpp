@@ -1,5 +1,6 @@
 #include "verifier/implementation.h"
 
+#include "fused/vocab_parallel/vocab_parallel.h"
 #include "reference/reference.h"
 #include "verifier/exec_implementation.h"
 
@@ -44,20 +45,39 @@ Implementation reference_implementation() {
   return impl;
 }
 
+namespace {
+fused::Options fused_options(fused::Backend backend, fused::Mutant mutant, const RunOptions& run) {
+  fused::Options options;
+  options.backend = backend;
+  options.gradients = run.gradients;
+  options.grad_weight_f32 = run.grad_f32;
+  options.workspace_bytes = run.workspace_bytes;
+  options.max_chunk_rows = run.max_chunk_rows;
+  options.mutant = mutant;
+  return options;
+}
+}  // namespace
+
 Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant) {
   std::string name = fused::backend_name(backend);
   if (mutant != fused::Mutant::none) name.append("+").append(fused::mutant_name(mutant));  // (GCC 12 -Wrestrict misfires on "+" + string)
   Implementation impl = make_implementation(name, [backend, mutant](const Problem& problem, const RunOptions& run) {
-    fused::Options options;
-    options.backend = backend;
-    options.gradients = run.gradients;
-    options.grad_weight_f32 = run.grad_f32;
-    options.workspace_bytes = run.workspace_bytes;
-    options.max_chunk_rows = run.max_chunk_rows;
-    options.mutant = mutant;
-    return fused::compute(problem, options);
+    return fused::compute(problem, fused_options(backend, mutant, run));
   });
   impl.concurrent = true;  // each call owns its buffers (and on cuda its stream)
+  return impl;
+}
+
+Implementation vocab_parallel_implementation(fused::Backend backend, int shards) {
+  if (backend != fused::Backend::cpu)
+    throw InputError("--vocab-shards with the " + fused::backend_name(backend) +
+                     " backend: the NCCL vocab-parallel path is not built yet; --impl cpu runs the " +
+                     std::to_string(shards) + " ranks' algebra in one process");
+  Implementation impl = make_implementation(
+      "cpu/vocab-shards=" + std::to_string(shards), [shards](const Problem& problem, const RunOptions& run) {
+        return fused::vocab_parallel::compute(problem, fused_options(fused::Backend::cpu, fused::Mutant::none, run), shards);
+      });
+  impl.concurrent = true;
   return impl;
 }
 

@@ -60,6 +60,10 @@ Implementation make_implementation(std::string name, std::function<TensorMap(con
 Implementation reference_implementation();
 // A fused backend, optionally with one deliberate fault (fused::Mutant) injected.
 Implementation fused_implementation(fused::Backend, fused::Mutant = fused::Mutant::none);
+// The fused step with the LM head split by vocabulary rows over `shards` ranks, their outputs gathered
+// (fused/vocab_parallel): the cpu backend's G ranks in one process. Other backends: InputError (the NCCL path is
+// not built yet).
+Implementation vocab_parallel_implementation(fused::Backend, int shards);
 // The correct implementations this build and machine can run: reference, cpu, and cuda when a device exists.
 std::vector<Implementation> available_implementations();
 // The fastest correct fused backend here: cuda when available, else cpu.

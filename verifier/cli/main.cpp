@@ -222,6 +222,7 @@ struct CaseArgs {
   std::string impl = "auto", save_inputs;
   std::map<std::string, std::string> fields;  // flag -> value, from sv::case_fields()
   bool no_grad = false, grad_f32 = false, json = false;
+  int vocab_shards = 0;  // 0: no split
   ProfileArgs profile;
   sv::ImplementationOptions impl_options;
 };
@@ -239,7 +240,10 @@ int run_case(const CaseArgs& a) {
   c.spec.description = "simpo-verify case: " + c.to_string();
   const sv::Profile profile = a.profile.resolve();
   sv::validate(c.run_options());
-  const sv::Implementation impl = sv::implementation_by_name(a.impl, a.impl_options);
+  const sv::Implementation impl =
+      a.vocab_shards > 0
+          ? sv::vocab_parallel_implementation(simpo::fused::resolve(simpo::fused::backend_from_name(a.impl)), a.vocab_shards)
+          : sv::implementation_by_name(a.impl, a.impl_options);
 
   std::fprintf(stderr, "case: %s\n", c.to_string().c_str());
   auto start = std::chrono::steady_clock::now();
@@ -434,6 +438,10 @@ int main(int argc, char** argv) {
   g->add_flag("--no-grad", cs.no_grad, "forward only");
   g->add_option("--save-inputs", cs.save_inputs, "also write the generated inputs file here");
   g->add_flag("--json", cs.json, "JSON report");
+  g->add_option("--vocab-shards", cs.vocab_shards,
+                "split the LM head by vocabulary rows over G ranks (Megatron's vocab-parallel layout), gather the ranks' "
+                "outputs and judge them; --impl cpu runs the G ranks in one process (the NCCL cuda path is not built yet)")
+      ->check(CLI::Range(1, 1 << 20));
   add_profile_options(g, cs.profile);
 
   std::string fixtures_dir = simpo::fixtures::default_directory();

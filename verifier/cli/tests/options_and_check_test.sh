@@ -50,5 +50,11 @@ expect_refusal "check --reference-outputs of a candidate" "not F64" \
 expect_refusal "check --reference gpu" "--reference" "$exe" check --inputs "$in" --candidate "$ref" --reference gpu
 "$exe" check --inputs "$in" --candidate "$work/cpu.safetensors" --reference cpu >/dev/null || fail "check --reference cpu"
 
+# The vocab-parallel step from the command line (issue 10): G = 3 ranks with V not divisible by 3 pass strict;
+# G beyond V and G = 0 are refused.
+"$exe" case --impl cpu --vocab-shards 3 --B 2 --T 5 --H 24 --V 101 --bias >/dev/null 2>&1 || fail "case --vocab-shards 3"
+expect_refusal "case --vocab-shards 5 --V 3" "needs 1 <= shards <= V" "$exe" case --impl cpu --vocab-shards 5 --V 3
+expect_refusal "case --vocab-shards 0" "--vocab-shards" "$exe" case --impl cpu --vocab-shards 0
+
 [[ $failures -eq 0 ]] && echo "all passed"
 exit $((failures > 0))
