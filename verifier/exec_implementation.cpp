@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
+#include <spawn.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -142,20 +143,34 @@ Child spawn(const std::string& command, bool persistent) {
   if (persistent && pipe2(in, O_CLOEXEC) != 0) throw ImplementationFault(std::string("exec: pipe: ") + std::strerror(errno));
   if (pipe2(out, O_CLOEXEC) != 0) throw ImplementationFault(std::string("exec: pipe: ") + std::strerror(errno));
   const int devnull = persistent ? -1 : ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-  const pid_t pid = fork();
-  if (pid < 0) throw ImplementationFault(std::string("exec: fork: ") + std::strerror(errno));
-  if (pid == 0) {  // child: async-signal-safe calls only
-    setpgid(0, 0);
-    if (persistent) {
-      dup2(in[0], 0);
-      dup2(out[1], 1);
-    } else {
-      dup2(devnull, 0);
-      dup2(2, 1);
-      dup2(out[1], 2);
-    }
-    execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
+  // posix_spawn, not fork: glibc's posix_spawn runs no pthread_atfork handlers, and OpenBLAS's (which shuts its
+  // worker threads down and joins them) deadlocked a fork made while another thread was inside a BLAS product
+  // (`case` runs the reference beside the candidate). The child gets its own process group, so a timeout can
+  // kill the whole tree.
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_t attributes;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawnattr_init(&attributes);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attributes, 0);
+  if (persistent) {
+    posix_spawn_file_actions_adddup2(&actions, in[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+  } else {
+    posix_spawn_file_actions_adddup2(&actions, devnull, 0);
+    posix_spawn_file_actions_adddup2(&actions, 2, 1);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 2);
+  }
+  std::string sh = "sh", dash_c = "-c", text = command;
+  char* argv[] = {sh.data(), dash_c.data(), text.data(), nullptr};
+  pid_t pid = -1;
+  const int spawned = posix_spawn(&pid, "/bin/sh", &actions, &attributes, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attributes);
+  if (spawned != 0) {
+    for (const int fd : {in[0], in[1], out[0], out[1], devnull})
+      if (fd >= 0) ::close(fd);
+    throw ImplementationFault(std::string("exec: cannot start /bin/sh: ") + std::strerror(spawned));
   }
   setpgid(pid, pid);  // also here, so the group exists before we might signal it
   Child c;
