@@ -31,7 +31,7 @@ namespace {
 // A [rows, cols] bf16 host matrix into a device [rows, ld] one whose extra columns are zero.
 DeviceBuffer upload_rows(const std::vector<bf16>& host, std::int64_t rows, std::int64_t cols, std::int64_t ld,
                          const std::string& name, cudaStream_t stream) {
-  DeviceBuffer device(static_cast<std::size_t>(rows * ld * 2), name);
+  DeviceBuffer device(static_cast<std::size_t>(rows * ld * 2), name, stream);
   if (ld != cols) SIMPO_CUDA_CHECK(cudaMemsetAsync(device.get(), 0, rows * ld * 2, stream));
   SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(device.get(), ld * 2, host.data(), cols * 2, cols * 2, rows,
                                      cudaMemcpyHostToDevice, stream));
@@ -43,6 +43,13 @@ Tensor download(const void* device, DType dtype, std::vector<std::int64_t> shape
   Tensor t(dtype, std::move(shape));
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(t.bytes.data(), device, t.bytes.size(), cudaMemcpyDeviceToHost, stream));
   return t;
+}
+
+// This thread's runner, kept between calls: its stream and cuBLAS handles cost milliseconds to make, and a
+// sweep calls compute() thousands of times from each of its threads. Destroyed when the thread ends.
+FusedRunner& thread_runner() {
+  thread_local FusedRunner runner;
+  return runner;
 }
 
 }  // namespace
@@ -73,13 +80,19 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
 
   const Shape& s = problem.shape;
   const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
-  FusedRunner runner;
+  FusedRunner& runner = thread_runner();
   const cudaStream_t stream = runner.stream();
+  // Every buffer below is stream-ordered on the runner's stream (device_buffer.h); the runner's workspace goes
+  // back to the pool when this call ends, however it ends.
+  struct ReleaseWorkspace {
+    FusedRunner& runner;
+    ~ReleaseWorkspace() { runner.release_workspace(); }
+  } release_workspace{runner};
 
   // Inputs.
   DeviceBuffer x = upload_rows(problem.x, N, H, ld_h, "x", stream);
   DeviceBuffer weight = upload_rows(problem.weight, V, H, ld_h, "weight", stream);
-  DeviceBuffer bias, target(static_cast<std::size_t>(N * 8), "target");
+  DeviceBuffer bias, target(static_cast<std::size_t>(N * 8), "target", stream);
   if (problem.has_bias()) bias = upload_rows(*problem.bias, 1, V, V, "bias", stream);
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice, stream));
 
@@ -100,13 +113,14 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
 
   // Gradients: the fp32 accumulators, and the bf16 outputs they are rounded into unless F32 was asked for.
   const bool f32 = options.grad_weight_f32;
-  DeviceBuffer grad_x(static_cast<std::size_t>(N * H * 2), "grad_x");
-  DeviceBuffer grad_weight(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator");
+  DeviceBuffer grad_x(static_cast<std::size_t>(N * H * 2), "grad_x", stream);
+  DeviceBuffer grad_weight(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator", stream);
   DeviceBuffer grad_bias, grad_weight_bf16, grad_bias_bf16;
-  if (problem.has_bias()) grad_bias = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator");
+  if (problem.has_bias())
+    grad_bias = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator", stream);
   if (!f32) {
-    grad_weight_bf16 = DeviceBuffer(static_cast<std::size_t>(V * H * 2), "grad_weight");
-    if (problem.has_bias()) grad_bias_bf16 = DeviceBuffer(static_cast<std::size_t>(V * 2), "grad_bias");
+    grad_weight_bf16 = DeviceBuffer(static_cast<std::size_t>(V * H * 2), "grad_weight", stream);
+    if (problem.has_bias()) grad_bias_bf16 = DeviceBuffer(static_cast<std::size_t>(V * 2), "grad_bias", stream);
   }
   DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();

@@ -2,37 +2,101 @@
 
 #include "fused/cuda/cuda_check.h"
 
+#include <mutex>
 #include <utility>
 
 namespace simpo::fused::cuda {
+
+namespace {
+
+[[noreturn]] void throw_out_of_memory(std::size_t bytes, const std::string& purpose) {
+  std::size_t free_bytes = 0, total_bytes = 0;
+  cudaMemGetInfo(&free_bytes, &total_bytes);
+  throw InputError("cuda backend: out of device memory allocating " + std::to_string(bytes) + " bytes for " +
+                   purpose + " (" + std::to_string(free_bytes) + " of " + std::to_string(total_bytes) +
+                   " bytes free); use a smaller problem or Options::workspace_bytes");
+}
+
+// The current device's default pool, its release threshold raised once per device (the default, 0, returns
+// every freed byte to the driver at each synchronization).
+cudaMemPool_t default_pool() {
+  int device = 0;
+  SIMPO_CUDA_CHECK(cudaGetDevice(&device));
+  cudaMemPool_t pool = nullptr;
+  SIMPO_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  static std::mutex mutex;
+  static std::uint64_t configured = 0;  // bit d: device d's threshold is set (devices beyond 63 set it each time)
+  const std::lock_guard lock(mutex);
+  if (device >= 64 || !(configured >> device & 1)) {
+    std::uint64_t threshold = pool_retained_bytes;
+    SIMPO_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    if (device < 64) configured |= std::uint64_t{1} << device;
+  }
+  return pool;
+}
+
+}  // namespace
+
+void trim_device_pool() {
+  SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
+  SIMPO_CUDA_CHECK(cudaMemPoolTrimTo(default_pool(), 0));
+}
 
 DeviceBuffer::DeviceBuffer(std::size_t bytes, const std::string& purpose) : bytes_(bytes) {
   if (bytes == 0) return;
   const cudaError_t status = cudaMalloc(&data_, bytes);
   if (status == cudaErrorMemoryAllocation) {
     cudaGetLastError();  // reset the (non-sticky) error so the next launch check does not report it
-    std::size_t free_bytes = 0, total_bytes = 0;
-    cudaMemGetInfo(&free_bytes, &total_bytes);
     data_ = nullptr;
-    throw InputError("cuda backend: out of device memory allocating " + std::to_string(bytes) + " bytes for " +
-                     purpose + " (" + std::to_string(free_bytes) + " of " + std::to_string(total_bytes) +
-                     " bytes free); use a smaller problem or Options::workspace_bytes");
+    throw_out_of_memory(bytes, purpose);
   }
   check_cuda(status, ("cudaMalloc for " + purpose).c_str(), __FILE__, __LINE__);
 }
 
-DeviceBuffer::~DeviceBuffer() {
-  if (data_) cudaFree(data_);  // a destructor must not throw; a failing free leaks at worst
+DeviceBuffer::DeviceBuffer(std::size_t bytes, const std::string& purpose, cudaStream_t stream)
+    : bytes_(bytes), stream_ordered_(true), stream_(stream) {
+  if (bytes == 0) return;
+  cudaMemPool_t pool = default_pool();
+  cudaError_t status = cudaMallocFromPoolAsync(&data_, bytes, pool, stream);
+  if (status == cudaErrorMemoryAllocation) {
+    // What the pool keeps may be what is missing: hand it back to the driver and try once more.
+    cudaGetLastError();
+    SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+    SIMPO_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+    status = cudaMallocFromPoolAsync(&data_, bytes, pool, stream);
+  }
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    data_ = nullptr;
+    throw_out_of_memory(bytes, purpose);
+  }
+  check_cuda(status, ("cudaMallocFromPoolAsync for " + purpose).c_str(), __FILE__, __LINE__);
 }
 
+// A destructor must not throw; a failing free leaks at worst.
+void DeviceBuffer::release() noexcept {
+  if (!data_) return;
+  if (stream_ordered_) cudaFreeAsync(data_, stream_);
+  else cudaFree(data_);
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+DeviceBuffer::~DeviceBuffer() { release(); }
+
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+    : data_(std::exchange(other.data_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      stream_ordered_(other.stream_ordered_),
+      stream_(other.stream_) {}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
-    if (data_) cudaFree(data_);
+    release();
     data_ = std::exchange(other.data_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
+    stream_ordered_ = other.stream_ordered_;
+    stream_ = other.stream_;
   }
   return *this;
 }

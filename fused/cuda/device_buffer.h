@@ -1,16 +1,33 @@
-// One cudaMalloc'd block, freed on scope exit. Running out of device memory is reported as an InputError
+// One device allocation, freed on scope exit. Running out of device memory is reported as an InputError
 // (the caller asked for a problem or budget too large for this device) naming the bytes and their purpose.
+//
+// Given a stream, the allocation is stream-ordered (cudaMallocAsync / cudaFreeAsync from the device's default
+// pool, which keeps up to pool_retained_bytes of freed memory for the next allocation): cudaFree waits for the
+// whole device, so a sweep calling the backend from 16 threads ran them one at a time at every free. Use the
+// memory only on that stream, or after synchronizing with it.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace simpo::fused::cuda {
+
+// Freed stream-ordered memory the default pool keeps for reuse: a sweep's cases (a few MiB to a few GiB)
+// allocate without going back to the driver; beyond it memory is returned at the next synchronization.
+inline constexpr std::uint64_t pool_retained_bytes = std::uint64_t{4} << 30;
+
+// Hands the current device's pooled free memory back to the driver, after waiting for the device (so every
+// stream-ordered free has happened): what a measurement of free memory (cudaMemGetInfo) needs first.
+void trim_device_pool();
 
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   DeviceBuffer(std::size_t bytes, const std::string& purpose);
+  DeviceBuffer(std::size_t bytes, const std::string& purpose, cudaStream_t stream);
   ~DeviceBuffer();
   DeviceBuffer(DeviceBuffer&& other) noexcept;
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
@@ -22,8 +39,12 @@ class DeviceBuffer {
   std::size_t bytes() const { return bytes_; }
 
  private:
+  void release() noexcept;
+
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
+  bool stream_ordered_ = false;
+  cudaStream_t stream_ = nullptr;
 };
 
 }  // namespace simpo::fused::cuda

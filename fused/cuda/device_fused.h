@@ -1,6 +1,7 @@
 // The fused algorithm on inputs already on the device: what cuda::compute runs after uploading, and what the
 // benchmark times (so the numbers exclude host transfers). One FusedRunner owns a stream, the cuBLAS handles
-// and the workspace, and can be reused across calls of the same or smaller size.
+// and the workspace, and can be reused across calls of any size (the handles are made once; the workspace is
+// reallocated when the size changes).
 #pragma once
 
 #include "fused/cuda/device_buffer.h"
@@ -96,6 +97,10 @@ class FusedRunner {
   RowStats run(const DeviceProblem&, const DeviceGradients* gradients, const Options&, const Tuning& = {});
 
   const RunReport& last_report() const { return report_; }
+
+  // Frees the workspace (stream-ordered) and keeps the stream and cuBLAS handles: a runner kept between calls
+  // holds no scratch while idle; the next run allocates again, from the stream-ordered pool.
+  void release_workspace();
 
  private:
   cudaStream_t stream_ = nullptr;

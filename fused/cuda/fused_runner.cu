@@ -82,8 +82,11 @@ FusedRunner::FusedRunner() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_
 
 FusedRunner::~FusedRunner() {
   gemms_.reset();
+  workspace_ = DeviceBuffer();  // its free is ordered on stream_, so before the stream goes
   if (stream_) cudaStreamDestroy(stream_);
 }
+
+void FusedRunner::release_workspace() { workspace_ = DeviceBuffer(); }
 
 RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, const Options& options,
                           const Tuning& tuning) {
@@ -118,14 +121,14 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   place_chunk_buffers(layout, s, report_.schedule.max_rows(), gradients);
   report_.workspace_bytes = layout.total;
 
-  // One allocation for all scratch, reused across runs of the same size.
+  // One allocation for all scratch, reused across runs of the same size; the cuBLAS handles are made once.
   const std::int64_t gemm_bytes = gemm_workspace_bytes(budget);
   if (!gemms_ || workspace_.bytes() != static_cast<std::size_t>(layout.total) || gemm_bytes != gemm_bytes_) {
-    gemms_.reset();
     workspace_ = DeviceBuffer();  // free the old one first: peak memory is one workspace, never two
-    workspace_ = DeviceBuffer(static_cast<std::size_t>(layout.total), "the fused workspace");
-    gemms_ = std::make_unique<Gemms>(stream_, workspace_.as<char>() + layout.gemm,
-                                     static_cast<std::size_t>(gemm_bytes));
+    workspace_ = DeviceBuffer(static_cast<std::size_t>(layout.total), "the fused workspace", stream_);
+    void* gemm_scratch = workspace_.as<char>() + layout.gemm;
+    if (gemms_) gemms_->set_workspace(gemm_scratch, static_cast<std::size_t>(gemm_bytes));
+    else gemms_ = std::make_unique<Gemms>(stream_, gemm_scratch, static_cast<std::size_t>(gemm_bytes));
     gemm_bytes_ = gemm_bytes;
   }
   char* base = workspace_.as<char>();

@@ -43,6 +43,13 @@ Gemms::Gemms(cudaStream_t stream, void* workspace, std::size_t workspace_bytes)
   SIMPO_CUBLAS_CHECK(cublasLtCreate(&lt_));
   SIMPO_CUBLAS_CHECK(cublasCreate(&blas_));
   SIMPO_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+  set_workspace(workspace, workspace_bytes);
+}
+
+void Gemms::set_workspace(void* workspace, std::size_t workspace_bytes) {
+  if (workspace_bytes != workspace_bytes_) choices_.clear();
+  workspace_ = workspace;
+  workspace_bytes_ = workspace_bytes;
   // cuBLAS would otherwise take its own workspace outside the budget.
   SIMPO_CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
 }

@@ -24,6 +24,10 @@ class Gemms {
   // `workspace` (device, `workspace_bytes`) is cuBLASLt's and cuBLAS's scratch: both stay inside the budget.
   Gemms(cudaStream_t stream, void* workspace, std::size_t workspace_bytes);
   ~Gemms();
+  // Moves the scratch (a runner's workspace reallocated for another problem size) without making new handles:
+  // cublasCreate costs milliseconds, and a sweep runs thousands of sizes. Cached algorithm choices are kept
+  // while the scratch size is unchanged (they were chosen for it).
+  void set_workspace(void* workspace, std::size_t workspace_bytes);
   Gemms(const Gemms&) = delete;
   Gemms& operator=(const Gemms&) = delete;
 

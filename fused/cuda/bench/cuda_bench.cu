@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
 
       // Outputs (grad_x and the bf16 grad_weight), then the baseline for "extra" memory.
       DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_weight_bf16(V * H * 2, "grad_weight");
-      SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
+      trim_device_pool();  // what the pool kept of the last B's workspace, out of the baseline
       const std::int64_t free_before = free_device_bytes();
       DeviceBuffer grad_weight(V * ld_h * 4, "the fp32 grad_weight accumulator");
       DeviceGradients gradients;
