@@ -15,6 +15,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace simpo::fused {
 namespace {
@@ -209,6 +212,47 @@ TEST(CudaBackendDispatch, FusedComputePicksTheCudaBackend) {
   EXPECT_EQ(resolve(Backend::automatic), Backend::cuda);
   const Problem problem = generate(spec_of({.B = 2, .T = 8, .H = 16, .V = 40}, 2.0, 49));
   expect_same_to_fp32_noise(compute(problem, cuda_options()), cuda::compute(problem, cuda_options()));
+}
+
+// ---- a runner per thread, stream-ordered memory ----
+
+// cuda::compute keeps one runner per thread (stream, cuBLAS handles) and allocates on its stream from a pool
+// (device_buffer.h): calls of every size in turn, from several threads at once, must compute what one fresh
+// call computes. A free ordered before the work that still reads the buffer, or a GEMM left pointing at an
+// old workspace, would show here as outputs far past fp32 noise.
+TEST(CudaBackendRunners, ConcurrentCallsOfEverySizeAgreeWithSequentialOnes) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Problem> problems;
+  for (Shape shape : {Shape{.B = 2, .T = 8, .H = 16, .V = 40}, feature_shape, Shape{.B = 2, .T = 33, .H = 200, .V = 1001},
+                      Shape{.B = 6, .T = 5, .H = 31, .V = 77}}) {
+    CaseSpec spec = spec_of(shape, 30.0, 60 + problems.size());
+    spec.bias = problems.size() % 2 == 1;
+    problems.push_back(generate(spec));
+  }
+  std::vector<TensorMap> sequential;
+  for (const Problem& problem : problems) sequential.push_back(cuda::compute(problem, cuda_options()));
+
+  constexpr int threads = 6, rounds = 3;
+  std::vector<std::vector<TensorMap>> concurrent(threads);
+  std::vector<std::string> errors(threads);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t)
+    workers.emplace_back([&, t] {
+      try {
+        for (int i = 0; i < rounds * static_cast<int>(problems.size()); ++i)
+          concurrent[t].push_back(cuda::compute(problems[(t + i) % problems.size()], cuda_options()));
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  for (std::thread& worker : workers) worker.join();
+  for (int t = 0; t < threads; ++t) {
+    ASSERT_EQ(errors[t], "") << "thread " << t;
+    for (std::size_t i = 0; i < concurrent[t].size(); ++i) {
+      SCOPED_TRACE("thread " + std::to_string(t) + ", call " + std::to_string(i));
+      expect_same_to_fp32_noise(concurrent[t][i], sequential[(t + i) % problems.size()]);
+    }
+  }
 }
 
 }  // namespace
