@@ -69,10 +69,23 @@ Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant
 }
 
 Implementation vocab_parallel_implementation(fused::Backend backend, int shards) {
+  if (backend == fused::Backend::cuda) {
+    // NCCL with one GPU per rank where there are enough, else the G ranks on one GPU (in-process collectives);
+    // the name says which. InputError naming the problem where neither can run.
+    const fused::vocab_parallel::CudaPlan plan = fused::vocab_parallel::plan_cuda(shards);
+    const fused::vocab_parallel::Communication communication = plan.communication;
+    Implementation impl = make_implementation(
+        "cuda/vocab-shards=" + std::to_string(shards) + " (" + plan.description + ")",
+        [shards, communication](const Problem& problem, const RunOptions& run) {
+          return fused::vocab_parallel::gather(fused::vocab_parallel::compute_ranks_cuda(
+              problem, fused_options(fused::Backend::cuda, fused::Mutant::none, run), shards, communication));
+        });
+    // One NCCL communicator's collectives from two threads at once could interleave on the GPUs and deadlock.
+    impl.concurrent = communication != fused::vocab_parallel::Communication::nccl;
+    return impl;
+  }
   if (backend != fused::Backend::cpu)
-    throw InputError("--vocab-shards with the " + fused::backend_name(backend) +
-                     " backend: the NCCL vocab-parallel path is not built yet; --impl cpu runs the " +
-                     std::to_string(shards) + " ranks' algebra in one process");
+    throw InputError("--vocab-shards with the " + fused::backend_name(backend) + " backend: only cpu and cuda run it");
   Implementation impl = make_implementation(
       "cpu/vocab-shards=" + std::to_string(shards), [shards](const Problem& problem, const RunOptions& run) {
         return fused::vocab_parallel::compute(problem, fused_options(fused::Backend::cpu, fused::Mutant::none, run), shards);

@@ -61,8 +61,9 @@ Implementation reference_implementation();
 // A fused backend, optionally with one deliberate fault (fused::Mutant) injected.
 Implementation fused_implementation(fused::Backend, fused::Mutant = fused::Mutant::none);
 // The fused step with the LM head split by vocabulary rows over `shards` ranks, their outputs gathered
-// (fused/vocab_parallel): the cpu backend's G ranks in one process. Other backends: InputError (the NCCL path is
-// not built yet).
+// (fused/vocab_parallel): cpu, the G ranks' algebra in one process; cuda, the ranks on GPUs through NCCL (one GPU
+// per rank, when there are G) or all on one GPU with in-process collectives, the name saying which. InputError
+// naming the problem where it cannot run (no device, no CUDA build, G > V).
 Implementation vocab_parallel_implementation(fused::Backend, int shards);
 // The correct implementations this build and machine can run: reference, cpu, and cuda when a device exists.
 std::vector<Implementation> available_implementations();

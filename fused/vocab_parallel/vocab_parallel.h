@@ -7,14 +7,17 @@
 // grad_weight and grad_bias stay local: each rank ends with its own shard of them, and every rank with the
 // full scalars and the full grad_x.
 //
-// This file's `cpu` implementation runs the G ranks in one process and performs each collective as a loop over
-// the ranks in rank order (the order a ring or tree would fix), so CI proves the sharded algebra against the
-// float64 reference without a GPU. The NCCL implementation keeps the same per-rank arithmetic.
+// The `cpu` implementation (cpu_ranks.cpp) runs the G ranks in one process and performs each collective as a
+// loop over the ranks in rank order (the order a ring or tree would fix), so CI proves the sharded algebra
+// against the float64 reference without a GPU. The `cuda` implementation (cuda_ranks.cu) runs each rank with the
+// one-GPU cuda backend's GEMMs and row kernels, its collectives behind collectives.h: NCCL with one GPU per rank,
+// or G ranks on one GPU with the reductions done in rank order by a small kernel (README.md says why both).
 #pragma once
 
 #include "fused/fused.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace simpo::fused::vocab_parallel {
@@ -45,5 +48,29 @@ TensorMap gather(const std::vector<RankOutputs>&);
 
 // compute_ranks, then gather: an implementation like any other.
 TensorMap compute(const Problem&, const Options&, int shards);
+
+// ---- on CUDA devices ----
+
+// How the cuda ranks reduce: NCCL, one GPU per rank (ranks 0..G-1 on devices 0..G-1, driven from one process);
+// or all G ranks on the current GPU, each with its own stream and buffers, the reductions done in rank order by
+// a kernel (NCCL refuses two ranks of one communicator on one GPU: "Duplicate GPU"). `automatic`: NCCL when it
+// was built and there are at least G devices, else in process.
+enum class Communication { automatic, nccl, in_process };
+std::string communication_name(Communication);  // "automatic", "nccl", "in-process"
+
+// The form `communication` resolves to here for G ranks, with a line saying what runs where; InputError naming
+// the problem when none can run (no CUDA build or device, NCCL not built or too few GPUs, G < 1).
+struct CudaPlan {
+  Communication communication = Communication::in_process;
+  int devices = 0;          // CUDA devices visible
+  std::string description;  // "3 ranks on one GPU (device 0 of 1 visible), in-process collectives"
+};
+CudaPlan plan_cuda(int shards, Communication = Communication::automatic);
+bool cuda_built();  // this build has the cuda ranks (nvcc at configure time)
+bool nccl_built();  // ... and NCCL (found at configure time)
+
+// The G ranks' outputs computed on CUDA devices as `plan_cuda` resolves `communication` (validates first).
+std::vector<RankOutputs> compute_ranks_cuda(const Problem&, const Options&, int shards,
+                                            Communication = Communication::automatic);
 
 }  // namespace simpo::fused::vocab_parallel

@@ -440,7 +440,8 @@ int main(int argc, char** argv) {
   g->add_flag("--json", cs.json, "JSON report");
   g->add_option("--vocab-shards", cs.vocab_shards,
                 "split the LM head by vocabulary rows over G ranks (Megatron's vocab-parallel layout), gather the ranks' "
-                "outputs and judge them; --impl cpu runs the G ranks in one process (the NCCL cuda path is not built yet)")
+                "outputs and judge them; --impl cpu runs the G ranks in one process; --impl cuda runs one GPU per rank through "
+                "NCCL when there are G GPUs, else all G on one GPU with in-process collectives (the report names which)")
       ->check(CLI::Range(1, 1 << 20));
   add_profile_options(g, cs.profile);
 

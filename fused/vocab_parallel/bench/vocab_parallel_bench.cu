@@ -1,0 +1,205 @@
+// The vocab-parallel step's time on one GPU against the one-GPU fused step and against the GEMM floor, on the
+// published shape with a large vocabulary (default T=1024, H=4096, V=256000, B=2). With one GPU lent, the G ranks
+// run in process on it (in-process collectives), so the step can at best take G times one shard's GEMMs: the
+// table shows that floor next to it. On a machine with G GPUs, --nccl puts one rank per GPU.
+//   vocab_parallel_bench [--B 2] [--T 1024] [--H 4096] [--V 256000] [--shards 2 3] [--reps 5] [--nccl]
+// Inputs: x ~ U(-sqrt3, sqrt3), W scaled for logits of standard deviation ~2, targets uniform with the first tenth
+// of each sequence a prompt (never zeros: they run faster than real data). Times: medians over --reps after one
+// warm-up; the fused steps by host clock around each synchronized run, the GEMMs by CUDA events.
+#include "fused/cuda/cuda_check.h"
+#include "fused/cuda/device_fused.h"
+#include "fused/cuda/gemm.h"
+#include "fused/vocab_parallel/cuda_ranks.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace simpo;
+using namespace simpo::fused;
+using namespace simpo::fused::cuda;
+namespace vp = simpo::fused::vocab_parallel;
+
+namespace {
+
+float uniform_pm1(std::uint64_t seed, std::uint64_t i) {
+  std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+void fill(std::vector<bf16>& out, float scale, std::uint64_t seed) {
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  const std::size_t n = out.size(), per = (n + threads - 1) / threads;
+  for (unsigned t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (std::size_t i = t * per; i < std::min(n, (t + 1) * per); ++i) out[i] = bf16(scale * uniform_pm1(seed, i));
+    });
+  for (auto& th : pool) th.join();
+}
+
+__global__ void fill_random(__nv_bfloat16* out, std::int64_t n, float scale, std::uint64_t seed) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
+    std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    out[i] = __float2bfloat16_rn(scale * (static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f));
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The one-GPU fused step (FusedRunner) on the same inputs, uploaded once.
+double time_one_gpu(const Problem& p, const Options& options, int reps) {
+  const Shape& s = p.shape;
+  const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
+  FusedRunner runner;
+  const cudaStream_t stream = runner.stream();
+  DeviceBuffer x(N * ld_h * 2, "x"), weight(V * ld_h * 2, "weight"), target(N * 8, "target");
+  SIMPO_CUDA_CHECK(cudaMemset(x.get(), 0, N * ld_h * 2));
+  SIMPO_CUDA_CHECK(cudaMemset(weight.get(), 0, V * ld_h * 2));
+  SIMPO_CUDA_CHECK(cudaMemcpy2D(x.get(), ld_h * 2, p.x.data(), H * 2, H * 2, N, cudaMemcpyHostToDevice));
+  SIMPO_CUDA_CHECK(cudaMemcpy2D(weight.get(), ld_h * 2, p.weight.data(), H * 2, H * 2, V, cudaMemcpyHostToDevice));
+  SIMPO_CUDA_CHECK(cudaMemcpy(target.get(), p.target.data(), N * 8, cudaMemcpyHostToDevice));
+  DeviceProblem d;
+  d.shape = s;
+  d.hp = p.hp;
+  d.ld_h = ld_h;
+  d.x = x.as<__nv_bfloat16>();
+  d.weight = weight.as<__nv_bfloat16>();
+  d.target = target.as<std::int64_t>();
+  d.targets = read_targets(p);
+  DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_w(V * ld_h * 4, "grad_weight fp32"), grad_w16(V * H * 2, "grad_weight");
+  DeviceGradients g;
+  g.grad_x = grad_x.as<__nv_bfloat16>();
+  g.grad_weight = grad_w.as<float>();
+  g.grad_weight_bf16 = grad_w16.as<__nv_bfloat16>();
+  const Tuning tuning = tuning_for(H, options);
+  runner.run(d, &g, options, tuning);
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    runner.run(d, &g, options, tuning);  // ends synchronized (the row statistics on the host)
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  return median(ms);
+}
+
+// The step's three GEMMs over all N rows and `V` vocabulary rows, through the backend's cuBLASLt wrappers (one
+// logits GEMM, no k slicing): logits, grad_x, grad_weight (overwrite). The floor of one rank's step.
+double time_gemms(std::int64_t N, std::int64_t V, std::int64_t H, int reps) {
+  const std::int64_t ld_h = padded(H), ld_v = padded(V);
+  cudaStream_t stream;
+  SIMPO_CUDA_CHECK(cudaStreamCreate(&stream));
+  double result = 0;
+  {
+    DeviceBuffer scratch(32 << 20, "GEMM scratch"), x(N * ld_h * 2, "x"), w(V * ld_h * 2, "w"), logits(N * ld_v * 4, "logits"),
+        dz(N * ld_v * 2, "dz"), gx(N * ld_h * 4, "grad_x"), gw(V * ld_h * 4, "grad_w");
+    // Random operands (padding columns included: the floor needs no exact zeros there).
+    fill_random<<<4096, 256, 0, stream>>>(x.as<__nv_bfloat16>(), N * ld_h, 1.7320508f, 1);
+    fill_random<<<4096, 256, 0, stream>>>(w.as<__nv_bfloat16>(), V * ld_h, 0.054f, 2);
+    fill_random<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), N * ld_v, 1e-3f, 4);
+    SIMPO_CUDA_CHECK_LAUNCH();
+    Gemms gemms(stream, scratch.get(), scratch.bytes());
+    auto once = [&] {
+      gemms.logits(N, V, ld_h, x.as<__nv_bfloat16>(), w.as<__nv_bfloat16>(), logits.as<float>(), ld_v);
+      gemms.grad_x(N, V, ld_h, dz.as<__nv_bfloat16>(), ld_v, w.as<__nv_bfloat16>(), gx.as<float>());
+      gemms.accumulate_grad_weight(N, V, ld_h, dz.as<__nv_bfloat16>(), ld_v, x.as<__nv_bfloat16>(), gw.as<float>(), true);
+    };
+    once();
+    cudaEvent_t a, b;
+    SIMPO_CUDA_CHECK(cudaEventCreate(&a));
+    SIMPO_CUDA_CHECK(cudaEventCreate(&b));
+    std::vector<double> ms;
+    for (int i = 0; i < reps; ++i) {
+      SIMPO_CUDA_CHECK(cudaEventRecord(a, stream));
+      once();
+      SIMPO_CUDA_CHECK(cudaEventRecord(b, stream));
+      SIMPO_CUDA_CHECK(cudaEventSynchronize(b));
+      float t = 0;
+      SIMPO_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+      ms.push_back(t);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    result = median(ms);
+  }
+  cudaStreamDestroy(stream);
+  return result;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::int64_t B = 2, T = 1024, H = 4096, V = 256000;
+  int reps = 5;
+  bool nccl = false;
+  std::vector<int> shards;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&] { return i + 1 < argc ? std::atoll(argv[++i]) : 0; };
+    if (a == "--B") B = next();
+    else if (a == "--T") T = next();
+    else if (a == "--H") H = next();
+    else if (a == "--V") V = next();
+    else if (a == "--reps") reps = static_cast<int>(next());
+    else if (a == "--nccl") nccl = true;
+    else if (a == "--shards")
+      while (i + 1 < argc && argv[i + 1][0] != '-') shards.push_back(std::atoi(argv[++i]));
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 2;
+    }
+  }
+  if (shards.empty()) shards = {2};
+  try {
+    cudaDeviceProp prop{};
+    SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    Problem p;
+    p.shape = {B, T, H, V};
+    const std::int64_t N = p.shape.N();
+    p.x.resize(static_cast<std::size_t>(N * H));
+    p.weight.resize(static_cast<std::size_t>(V * H));
+    fill(p.x, 1.7320508f, 1);
+    fill(p.weight, static_cast<float>(std::sqrt(3.0 * 4.0 / H)), 2);
+    p.target.resize(static_cast<std::size_t>(N));
+    for (std::int64_t r = 0; r < N; ++r)
+      p.target[r] = (r % T) < T / 10 ? p.hp.ignore_index
+                                     : std::min<std::int64_t>(V - 1, static_cast<std::int64_t>(0.5f * (uniform_pm1(3, r) + 1) * V));
+    Options options;
+    options.backend = Backend::cuda;
+    options.validate = false;  // inputs made here are finite
+    std::printf("device %s; B=%lld T=%lld H=%lld V=%lld, full step (forward + gradients, bf16 grad_weight), "
+                "median of %d\n", prop.name, (long long)B, (long long)T, (long long)H, (long long)V, reps);
+    const double one = time_one_gpu(p, options, reps);
+    const double floor_one = time_gemms(N, V, H, reps);
+    std::printf("one GPU (FusedRunner): step %.2f ms | GEMM floor %.2f ms | step/floor %.3f\n", one, floor_one,
+                one / floor_one);
+    for (const int G : shards) {
+      const auto split = vp::split_vocabulary(V, G);
+      const double shard_floor = time_gemms(N, split[0].size(), H, reps);
+      const vp::Communication c = nccl ? vp::Communication::nccl : vp::Communication::in_process;
+      const double t = median(vp::time_ranks_cuda(p, options, G, c, reps));
+      const std::string label = "G=" + std::to_string(G) + " " + vp::communication_name(c) + " (" +
+                                vp::plan_cuda(G, c).description + ")";
+      std::printf("%s: step %.2f ms | shard GEMM floor %.2f ms, x G = %.2f ms | step/(G floor) %.3f | step/one GPU %.3f\n",
+                  label.c_str(), t, shard_floor, G * shard_floor, t / (G * shard_floor), t / one);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "vocab_parallel_bench: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
