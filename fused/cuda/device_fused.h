@@ -37,12 +37,17 @@ struct DeviceProblem {
   Targets targets;                       // host: n[b] and N_c (fused/forward_outputs.h)
 };
 
+// grad_weight: with grad_weight_bf16 unset, `grad_weight` is the fp32 output and its own accumulator. With
+// grad_weight_bf16 set, run() accumulates where Tuning::hilo_grad_weight and the device allow: in the bf16 hi/lo
+// pair (hilo_gemm.h: hi is grad_weight_bf16 itself, lo a [V, H] bf16 buffer the runner owns, 1 GiB at the
+// published shape) on sm_90 with CUTLASS and H % 8 == 0; else in an fp32 accumulator, `grad_weight` when the caller
+// gives one (nullptr is fine), else one the runner owns. RunReport says which and what the runner allocated.
 struct DeviceGradients {
   __nv_bfloat16* grad_x = nullptr;            // [N, H], the output
-  float* grad_weight = nullptr;               // [V, ld_h] fp32 accumulator; run() overwrites it
+  float* grad_weight = nullptr;               // [V, ld_h] fp32 output / accumulator, or nullptr (see above)
   float* grad_bias = nullptr;                 // [V] fp32, or nullptr without a bias; run() zeroes it first
-  __nv_bfloat16* grad_weight_bf16 = nullptr;  // [V, H] or nullptr: when set, run() rounds the accumulator into it
-  __nv_bfloat16* grad_bias_bf16 = nullptr;    // [V] or nullptr, likewise
+  __nv_bfloat16* grad_weight_bf16 = nullptr;  // [V, H] or nullptr: the bf16 output (see above)
+  __nv_bfloat16* grad_bias_bf16 = nullptr;    // [V] or nullptr: run() rounds grad_bias into it
 };
 
 // What one run used, for tests, logs and the benchmark.
@@ -50,6 +55,10 @@ struct RunReport {
   Schedule schedule;
   std::int64_t workspace_bytes = 0;  // the one workspace allocation, all scratch included
   int gemm_fallbacks = 0;            // GEMMs that went to cublasGemmEx instead of cuBLASLt
+  // Where grad_W accumulated, and the bytes of the accumulator the runner allocated for it (kept across runs, like
+  // the workspace): lo of the hi/lo pair (V*H*2), or an fp32 one (V*ld_h*4) when the caller gave none.
+  enum class GradWeight { none, f32_output, f32_caller, f32_own, hilo } grad_weight = GradWeight::none;
+  std::int64_t accumulator_bytes = 0;
 };
 
 // How the logits GEMM runs. cuda::compute(problem, options) takes it from options (tuning_for); the
@@ -78,6 +87,11 @@ struct Tuning {
   // The gradient GEMMs once per chunk over both of a three_pass chunk's parts (x rows gathered), so the fp32
   // grad_W accumulator is read and written once per chunk; false: once per part, as before (for comparing).
   bool gradient_gemms_per_chunk = true;
+  // A bf16 grad_weight output accumulates in the bf16 hi/lo pair (hilo_gemm.h) where it can run (sm_90 with
+  // CUTLASS, H % 8 == 0): half the memory of the fp32 accumulator, same traffic. false: the fp32 accumulator
+  // everywhere (for comparing). hilo_variant: hilo_gemm.h's compiled tile/schedule.
+  bool hilo_grad_weight = true;
+  int hilo_variant = 0;
 };
 // The default for a device and H: promoted every logits_k_slice (rounded to the k tile) where
 // promoted_logits_available(), else that many cuBLAS slices; logits_k_slice = 0 is one cuBLAS GEMM anywhere.
@@ -98,13 +112,15 @@ class FusedRunner {
 
   const RunReport& last_report() const { return report_; }
 
-  // Frees the workspace (stream-ordered) and keeps the stream and cuBLAS handles: a runner kept between calls
-  // holds no scratch while idle; the next run allocates again, from the stream-ordered pool.
+  // Frees the workspace and the runner's grad_W accumulator (stream-ordered) and keeps the stream and cuBLAS
+  // handles: a runner kept between calls holds no scratch while idle; the next run allocates again, from the
+  // stream-ordered pool.
   void release_workspace();
 
  private:
   cudaStream_t stream_ = nullptr;
   DeviceBuffer workspace_;
+  DeviceBuffer accumulator_;  // lo of the hi/lo pair, or an fp32 grad_W accumulator (RunReport::accumulator_bytes)
   std::unique_ptr<Gemms> gemms_;
   std::int64_t gemm_bytes_ = 0;  // the cuBLASLt scratch gemms_ was made with
   RunReport report_;

@@ -1,5 +1,6 @@
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
+#include "fused/cuda/hilo_gemm.h"
 #include "fused/cuda/kernels.h"
 #include "fused/cuda/promoted_gemm.h"
 
@@ -17,8 +18,9 @@ std::int64_t gemm_workspace_bytes(std::int64_t budget) {
 }
 
 // The workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that live for the
-// whole run, then the chunk buffers sized for the largest chunk: fp32 logits, bf16 dz, fp32 grad_x, the chunk's
-// x rows gathered for the weight GEMM, and the epilogue statistics' tile partials. `tiles` > 0 when the logits
+// whole run, then the chunk buffers sized for the largest chunk: fp32 logits (with gradients, each row's bf16 dz
+// is written over the first half of its logits bytes: dz_kernel, in place), fp32 grad_x, the chunk's x rows
+// gathered for the weight GEMM, and the epilogue statistics' tile partials. `tiles` > 0 when the logits
 // GEMM's epilogue reduces the statistics (promoted_stats.h; 16 bytes per row and 192-column tile), 0 for
 // row_stats_kernel over stored logits; with it the forward-only schedule keeps no logits buffer at all.
 struct Layout {
@@ -26,7 +28,7 @@ struct Layout {
                avg_grad = 0, completion_tokens = 0, fixed = 0;
   std::int64_t tiles = 0;
   std::int64_t per_row = 0;  // this backend's bytes per chunk row (padded rows; cf. workspace_bytes_per_row)
-  std::int64_t logits = 0, dz = 0, grad_x = 0, x_rows = 0, tile_max = 0, tile_sum_exp = 0, tile_sum = 0, total = 0;
+  std::int64_t logits = 0, grad_x = 0, x_rows = 0, tile_max = 0, tile_sum_exp = 0, tile_sum = 0, total = 0;
   bool keeps_logits(bool gradients) const { return gradients || tiles == 0; }
 };
 
@@ -49,20 +51,17 @@ Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::in
   l.rowsum = take(N * 8);
   l.avg_grad = take(B * 8);
   l.completion_tokens = take(B * 8);
-  l.fixed = at + 7 * kAlign;  // room to align the seven chunk buffers
-  l.per_row = (l.keeps_logits(gradients) ? ld_v * 4 : 0) + (gradients ? ld_v * 2 + ld_h * 4 + ld_h * 2 : 0) +
-              tiles * 16;
+  l.fixed = at + 6 * kAlign;  // room to align the six chunk buffers
+  l.per_row = (l.keeps_logits(gradients) ? ld_v * 4 : 0) + (gradients ? ld_h * 4 + ld_h * 2 : 0) + tiles * 16;
   return l;
 }
 
 void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool gradients) {
   const std::int64_t ld_v = padded(s.V), ld_h = padded(s.H);
   const std::int64_t gradient_rows = gradients ? rows : 0;  // forward only: logits (or tile partials) alone
-  std::int64_t at = l.fixed - 7 * kAlign;
+  std::int64_t at = l.fixed - 6 * kAlign;
   l.logits = at;
   at += align_up(l.keeps_logits(gradients) ? rows * ld_v * 4 : 0);
-  l.dz = at;
-  at += align_up(gradient_rows * ld_v * 2);
   l.grad_x = at;
   at += align_up(gradient_rows * ld_h * 4);
   l.x_rows = at;
@@ -83,10 +82,14 @@ FusedRunner::FusedRunner() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_
 FusedRunner::~FusedRunner() {
   gemms_.reset();
   workspace_ = DeviceBuffer();  // its free is ordered on stream_, so before the stream goes
+  accumulator_ = DeviceBuffer();
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-void FusedRunner::release_workspace() { workspace_ = DeviceBuffer(); }
+void FusedRunner::release_workspace() {
+  workspace_ = DeviceBuffer();
+  accumulator_ = DeviceBuffer();
+}
 
 RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, const Options& options,
                           const Tuning& tuning) {
@@ -96,6 +99,43 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   const std::int64_t ld_v = padded(V), ld_h = p.ld_h;
   const bool gradients = g != nullptr;
   if (ld_h != padded(H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
+
+  // Where grad_W accumulates (device_fused.h, DeviceGradients): the caller's fp32 output; with a bf16 output, the
+  // hi/lo pair (hi: that output, lo: this runner's bf16 buffer) where the hi/lo GEMM runs and H % 8 == 0 (its TMA
+  // rows of hi are the output's dense H columns), else an fp32 accumulator, the caller's or this runner's.
+  report_.grad_weight = RunReport::GradWeight::none;
+  report_.accumulator_bytes = 0;
+  float* grad_weight_f32 = nullptr;
+  __nv_bfloat16 *hi = nullptr, *lo = nullptr;
+  if (g) {
+    if (!g->grad_weight_bf16) {
+      if (!g->grad_weight) throw CudaError("DeviceGradients: neither grad_weight nor grad_weight_bf16 is set");
+      grad_weight_f32 = g->grad_weight;
+      report_.grad_weight = RunReport::GradWeight::f32_output;
+    } else if (tuning.hilo_grad_weight && H % 8 == 0 && hilo_gemm_available()) {
+      const std::size_t bytes = static_cast<std::size_t>(V * H * 2);
+      if (accumulator_.bytes() != bytes) {
+        accumulator_ = DeviceBuffer();
+        accumulator_ = DeviceBuffer(bytes, "the bf16 lo half of the grad_weight hi/lo pair", stream_);
+      }
+      hi = g->grad_weight_bf16;
+      lo = accumulator_.as<__nv_bfloat16>();
+      report_.grad_weight = RunReport::GradWeight::hilo;
+      report_.accumulator_bytes = static_cast<std::int64_t>(bytes);
+    } else if (g->grad_weight) {
+      grad_weight_f32 = g->grad_weight;
+      report_.grad_weight = RunReport::GradWeight::f32_caller;
+    } else {
+      const std::size_t bytes = static_cast<std::size_t>(V * ld_h * 4);
+      if (accumulator_.bytes() != bytes) {
+        accumulator_ = DeviceBuffer();
+        accumulator_ = DeviceBuffer(bytes, "the fp32 grad_weight accumulator", stream_);
+      }
+      grad_weight_f32 = accumulator_.as<float>();
+      report_.grad_weight = RunReport::GradWeight::f32_own;
+      report_.accumulator_bytes = static_cast<std::int64_t>(bytes);
+    }
+  }
 
   // The plan of fused/schedule.h for the rows this backend's layout fits in options.workspace_bytes (padded
   // rows, fixed scratch first).
@@ -145,12 +185,16 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   double* avg_grad = reinterpret_cast<double*>(base + layout.avg_grad);
   auto* completion_tokens = reinterpret_cast<std::int64_t*>(base + layout.completion_tokens);
   float* logits = reinterpret_cast<float*>(base + layout.logits);
-  auto* dz = reinterpret_cast<__nv_bfloat16*>(base + layout.dz);
+  // dz in place: row i of the chunk's bf16 dz starts where its fp32 logits row starts (dz_kernel reads each
+  // 2048-column step before writing over it).
+  auto* dz = reinterpret_cast<__nv_bfloat16*>(logits);
+  const std::int64_t ld_dz = 2 * ld_v;
   float* grad_x_part = reinterpret_cast<float*>(base + layout.grad_x);
   auto* x_rows = reinterpret_cast<__nv_bfloat16*>(base + layout.x_rows);
 
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(completion_tokens, p.targets.n.data(), B * 8, cudaMemcpyHostToDevice, stream_));
-  // grad_weight needs no clearing: the first weight GEMM writes it with beta = 0 (every chunk has rows).
+  // grad_weight needs no clearing: the first weight GEMM writes it with beta = 0 (every chunk has rows), the hi/lo
+  // pair likewise (hilo_gemm.h).
   if (g && g->grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g->grad_bias, 0, V * 4, stream_));
   bool first_weight_gemm = true;
 
@@ -212,15 +256,15 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   // 2048 rows at H = 4096, against 4 GiB of accumulator traffic saved). `at`: the chunk's first buffer row.
   auto backward_rows = [&](const Chunk& c, std::int64_t at) {
     const std::int64_t rows = c.rows();
-    __nv_bfloat16* dz_rows = dz + at * ld_v;
+    __nv_bfloat16* dz_rows = dz + at * ld_dz;
     float* gx_rows = grad_x_part + at * ld_h;
     std::int64_t offset = at;
     for (int i = 0; i < c.part_count; ++i) {
-      launch_dz(part_logits(c.parts[i], offset), coefficients, row_max, lse, z_target, dz + offset * ld_v, ld_v,
+      launch_dz(part_logits(c.parts[i], offset), coefficients, row_max, lse, z_target, dz + offset * ld_dz, ld_dz,
                 target_coef, stream_);
       offset += c.parts[i].rows();
     }
-    gemms_->grad_x(rows, V, ld_h, dz_rows, ld_v, p.weight, gx_rows);
+    gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows);
     const __nv_bfloat16* x_chunk = p.x + c.parts[0].begin * ld_h;
     if (c.part_count > 1) {
       offset = 0;
@@ -231,19 +275,35 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       }
       x_chunk = x_rows;
     }
-    gemms_->accumulate_grad_weight(rows, V, ld_h, dz_rows, ld_v, x_chunk, g->grad_weight,
-                                   /*overwrite=*/first_weight_gemm);
+    if (hi) {
+      // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
+      // term, per target once, after both (each reads and writes the pair).
+      const std::int64_t V8 = V / 8 * 8;
+      hilo_accumulate_grad_weight(rows, V8, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm, stream_,
+                                  base + layout.gemm, static_cast<std::size_t>(gemm_bytes_), tuning.hilo_variant);
+      launch_hilo_tail(rows, V8, V, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm, stream_);
+      ChunkRows chunk_rows;
+      for (int i = 0; i < c.part_count; ++i) {
+        chunk_rows.begin[i] = c.parts[i].begin;
+        chunk_rows.rows[i] = c.parts[i].rows();
+      }
+      launch_target_rows_hilo(p.x, ld_h, H, chunk_rows, p.target, target_coef, hi, lo, H, stream_);
+    } else {
+      gemms_->accumulate_grad_weight(rows, V, ld_h, dz_rows, ld_dz, x_chunk, grad_weight_f32,
+                                     /*overwrite=*/first_weight_gemm);
+    }
     first_weight_gemm = false;
     offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
       launch_grad_x_finish(gx_rows + offset * ld_h, part.rows(), part.begin, H, ld_h, p.weight, p.target,
                            target_coef, g->grad_x, stream_);
-      launch_target_scatter(p.x, part.rows(), part.begin, H, ld_h, p.target, target_coef, g->grad_weight,
-                            g->grad_bias, stream_);
+      if (!hi || g->grad_bias)
+        launch_target_scatter(p.x, part.rows(), part.begin, H, ld_h, p.target, target_coef, hi ? nullptr : grad_weight_f32,
+                              g->grad_bias, stream_);
       offset += part.rows();
     }
-    if (g->grad_bias) launch_bias_column_sums(dz_rows, ld_v, rows, V, g->grad_bias, stream_);
+    if (g->grad_bias) launch_bias_column_sums(dz_rows, ld_dz, rows, V, g->grad_bias, stream_);
   };
   auto backward_of = [&](const Chunk& c) {
     if (tuning.gradient_gemms_per_chunk || c.part_count == 1) return backward_rows(c, 0);
@@ -282,7 +342,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       for (const Chunk& c : schedule.chunks) logits_of(c, true, /*store=*/false);
       break;
   }
-  if (g && g->grad_weight_bf16) launch_round_to_bf16(g->grad_weight, ld_h, V, H, g->grad_weight_bf16, stream_);
+  // The hi/lo pair's hi is the rounded output already; an fp32 accumulator is rounded into it.
+  if (g && g->grad_weight_bf16 && !hi) launch_round_to_bf16(grad_weight_f32, ld_h, V, H, g->grad_weight_bf16, stream_);
   if (g && g->grad_bias && g->grad_bias_bf16) launch_round_to_bf16(g->grad_bias, V, 1, V, g->grad_bias_bf16, stream_);
 
   RowStats stats(N);

@@ -6,10 +6,15 @@
 //   merge_tile_stats_kernel   1 (forward)     the same four from the logits GEMM epilogue's per-tile partials
 //                                             (promoted_stats.h), which replace row_stats_kernel's read of the logits
 //   pair_math_kernel          between 1 and 2 per pair: the two sequences' averages of log p and dL/davg of each
-//   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t)
+//   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t);
+//                                             in place over the row's fp32 logits (a barrier per 2048 columns)
 //   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
 //   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x (the one-hot term in fp32)
 //   bias_column_sums_kernel   2               grad_bias += column sums of dz (its target terms: target_scatter)
+//   target_rows_hilo_kernel   2               grad_W[target] += k (1 - p_t) x into the bf16 hi/lo pair (hilo_gemm.h):
+//                                             per target, one block sums its rows in fp32 and adds once
+//   hilo_tail_kernel          2               the last V % 8 rows of dz^T x into the hi/lo pair (the GEMM's TMA
+//                                             takes whole groups of 8)
 //   round_to_bf16_kernel      end             the fp32 grad_weight / grad_bias accumulators into the bf16 outputs
 #include "fused/cuda/kernels.h"
 
@@ -212,6 +217,12 @@ __global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, st
 // One block per row, one read of the logits row and one write of the bf16 dz row (16 bytes per access).
 // The target column is written as 0: its value, k (1 - p_target), would lose its small part in bf16 next to
 // the large softmax terms, so it travels separately in fp32 (target_coef).
+//
+// dz may overwrite the logits it comes from (the fused runner's in-place dz: row r's bf16 dz at the start of its
+// fp32 logits bytes, ld_dz = 2 ld_logits). Columns [v, v + 8) of dz land on fp32 columns [v/2, v/2 + 4), which
+// another thread of the same 2048-column step reads; so each step reads its tile, the block meets at a barrier,
+// and only then writes. A step's writes reach fp32 columns < (its start + 2048) / 2, all read by then, and never
+// a later step's. Separate buffers take the same path (one barrier per 2048 columns).
 template <bool kBias>
 __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, CoefficientParams c, const float* row_max,
                                                         const float* lse, const float* z_target, __nv_bfloat16* dz,
@@ -226,26 +237,30 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
                                                         static_cast<long long>(c.completion_tokens[b]),
                                                         b < c.P ? c.nll_weight : 0.0));
   const float shift = row_max[r], row_lse = lse[r];  // softmax_v = exp((z_v - max) - lse_relative)
+  const float z_t = z_target[r];  // read before any write (z_target is never the logits buffer, but cheap)
   const std::int64_t V8 = a.V / 8 * 8;
+  constexpr std::int64_t kStep = kRowThreads * 8;
 
-  if (k == 0.0f) {  // ignored rows and empty sequences: a zero row, no exponentials
-    const float zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < V8; v += kRowThreads * 8) store8(out + v, zeros);
-  } else {
-    for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < V8; v += kRowThreads * 8) {
-      float z[8];
+  for (std::int64_t base = 0; base < V8; base += kStep) {  // same trip count in every thread: barriers inside
+    const std::int64_t v = base + std::int64_t(threadIdx.x) * 8;
+    float z[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (v < V8 && k != 0.0f) {  // k == 0 (ignored rows, empty sequences): a zero row, no exponentials
       load8<kBias>(row, a.bias, v, z);
 #pragma unroll
       for (int i = 0; i < 8; ++i) z[i] = (v + i == t) ? 0.0f : m::softmax_gradient(k, z[i] - shift, row_lse);
-      store8(out + v, z);
     }
+    __syncthreads();
+    if (v < V8) store8(out + v, z);
   }
-  for (std::int64_t v = V8 + threadIdx.x; v < ld_dz; v += kRowThreads) {
-    float value = 0.0f;
-    if (v < a.V && v != t && k != 0.0f) value = m::softmax_gradient(k, load1<kBias>(row, a.bias, v) - shift, row_lse);
-    out[v] = __float2bfloat16_rn(value);
-  }
-  if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_target[r], row_lse) : 0.0f;
+  // The last V % 8 columns and the zero padding up to a multiple of 8 (never past ld_dz): < 8 columns, read by
+  // threads 0..7, written after the barrier.
+  const std::int64_t padded_v = (a.V + 7) / 8 * 8, end = ld_dz < padded_v ? ld_dz : padded_v;
+  const std::int64_t v = V8 + threadIdx.x;
+  float value = 0.0f;
+  if (v < a.V && v != t && k != 0.0f) value = m::softmax_gradient(k, load1<kBias>(row, a.bias, v) - shift, row_lse);
+  __syncthreads();
+  if (v < end) out[v] = __float2bfloat16_rn(value);
+  if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_t, row_lse) : 0.0f;
 }
 
 // ---- after the gradient GEMMs ----
@@ -299,8 +314,10 @@ __global__ void __launch_bounds__(kRowThreads) target_scatter_kernel(const __nv_
   if (c == 0.0f) return;
   const std::int64_t t = target[r];
   const __nv_bfloat16* xr = x + r * ld_h;
-  float* gw = grad_weight + t * ld_h;
-  for (std::int64_t h = threadIdx.x; h < H; h += kRowThreads) atomicAdd(gw + h, c * __bfloat162float(xr[h]));
+  if (grad_weight != nullptr) {  // null: the bias's term alone (the hi/lo pair takes the weight's: target_rows_hilo)
+    float* gw = grad_weight + t * ld_h;
+    for (std::int64_t h = threadIdx.x; h < H; h += kRowThreads) atomicAdd(gw + h, c * __bfloat162float(xr[h]));
+  }
   if (grad_bias != nullptr && threadIdx.x == 0) atomicAdd(grad_bias + t, c);
 }
 
@@ -317,6 +334,99 @@ __global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const __n
   float sum = 0;
   for (std::int64_t r = r0; r < r1; ++r) sum += __bfloat162float(dz[r * ld + v]);
   atomicAdd(grad_bias + v, sum);
+}
+
+// ---- grad_W as a bf16 hi/lo pair (hilo_gemm.h) ----
+
+// s = hi + lo + add in fp32, then hi = bf16(s) and lo = bf16(s - hi): the same step as the hi/lo GEMM's epilogue.
+__device__ inline void hilo_add(__nv_bfloat16* hi, __nv_bfloat16* lo, float add, bool overwrite) {
+  const float s = overwrite ? add : (__bfloat162float(*hi) + __bfloat162float(*lo)) + add;
+  const __nv_bfloat16 h = __float2bfloat16_rn(s);
+  *hi = h;
+  *lo = __float2bfloat16_rn(s - __bfloat162float(h));
+}
+
+__device__ inline std::int64_t chunk_row(const ChunkRows& c, std::int64_t j) {
+  return j < c.rows[0] ? c.begin[0] + j : c.begin[1] + (j - c.rows[0]);
+}
+
+// One block per chunk row r with a nonzero target coefficient. The block of the first such row of each target t
+// (its leader; the others return) sums c[r'] x[r'] over every row r' of the chunk with target t, in chunk order
+// (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum into hi/lo row t once.
+// Leaders of different targets write different rows: no atomics, and the result does not depend on timing.
+constexpr int kTargetColumns = 16;  // columns per thread and pass: H <= 4096 in one scan of the chunk's rows
+__global__ void __launch_bounds__(kRowThreads) target_rows_hilo_kernel(const __nv_bfloat16* x, std::int64_t ld_x,
+                                                                      std::int64_t H, ChunkRows c,
+                                                                      const std::int64_t* target, const float* coef,
+                                                                      __nv_bfloat16* hi, __nv_bfloat16* lo,
+                                                                      std::int64_t ld_w) {
+  const std::int64_t n = c.rows[0] + c.rows[1], j = blockIdx.x, r = chunk_row(c, j);
+  if (coef[r] == 0.0f) return;  // block-uniform
+  const std::int64_t t = target[r];
+  bool earlier = false;
+  for (std::int64_t i = threadIdx.x; i < j; i += kRowThreads) {
+    const std::int64_t ri = chunk_row(c, i);
+    earlier |= target[ri] == t && coef[ri] != 0.0f;
+  }
+  if (__syncthreads_or(earlier)) return;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ std::int64_t list[kRowThreads];
+  __shared__ int warp_count[kWarps];
+  for (std::int64_t h0 = 0; h0 < H; h0 += kRowThreads * kTargetColumns) {
+    float sum[kTargetColumns];
+#pragma unroll
+    for (int q = 0; q < kTargetColumns; ++q) sum[q] = 0.0f;
+    for (std::int64_t i0 = j; i0 < n; i0 += kRowThreads) {
+      const std::int64_t i = i0 + threadIdx.x;
+      std::int64_t ri = 0;
+      bool match = false;
+      if (i < n) {
+        ri = chunk_row(c, i);
+        match = target[ri] == t && coef[ri] != 0.0f;
+      }
+      const unsigned mask = __ballot_sync(0xffffffffu, match);
+      if (lane == 0) warp_count[warp] = __popc(mask);
+      __syncthreads();
+      int offset = 0, count = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        offset += w < warp ? warp_count[w] : 0;
+        count += warp_count[w];
+      }
+      if (match) list[offset + __popc(mask & ((1u << lane) - 1u))] = ri;
+      __syncthreads();
+      for (int k = 0; k < count; ++k) {
+        const std::int64_t rk = list[k];
+        const float ck = coef[rk];
+        const __nv_bfloat16* xr = x + rk * ld_x;
+#pragma unroll
+        for (int q = 0; q < kTargetColumns; ++q) {
+          const std::int64_t h = h0 + q * kRowThreads + threadIdx.x;
+          if (h < H) sum[q] += ck * __bfloat162float(xr[h]);
+        }
+      }
+      __syncthreads();  // list and warp_count are refilled by the next batch
+    }
+#pragma unroll
+    for (int q = 0; q < kTargetColumns; ++q) {
+      const std::int64_t h = h0 + q * kRowThreads + threadIdx.x;
+      if (h < H) hilo_add(hi + t * ld_w + h, lo + t * ld_w + h, sum[q], false);
+    }
+  }
+}
+
+// Rows [v_begin, v_begin + gridDim.x) of dz^T x, which the hi/lo GEMM cannot take (the last V % 8: its TMA wants
+// whole 16-byte groups along V), summed in fp32 over the chunk's rows; block (v, 256 columns).
+__global__ void __launch_bounds__(kRowThreads) hilo_tail_kernel(std::int64_t rows, std::int64_t v_begin, std::int64_t H,
+                                                               const __nv_bfloat16* dz, std::int64_t ld_dz,
+                                                               const __nv_bfloat16* x, std::int64_t ld_x,
+                                                               __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
+                                                               bool overwrite) {
+  const std::int64_t v = v_begin + blockIdx.x, h = std::int64_t(blockIdx.y) * kRowThreads + threadIdx.x;
+  if (h >= H) return;
+  float sum = 0.0f;
+  for (std::int64_t r = 0; r < rows; ++r) sum += __bfloat162float(dz[r * ld_dz + v]) * __bfloat162float(x[r * ld_x + h]);
+  hilo_add(hi + v * ld_w + h, lo + v * ld_w + h, sum, overwrite);
 }
 
 template <bool kVector>
@@ -422,6 +532,25 @@ void launch_round_to_bf16(const float* in, std::int64_t ld_in, std::int64_t rows
     round_to_bf16_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
   else
     round_to_bf16_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_target_rows_hilo(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows& rows,
+                             const std::int64_t* target, const float* target_coef, __nv_bfloat16* hi,
+                             __nv_bfloat16* lo, std::int64_t ld_w, cudaStream_t stream) {
+  const std::int64_t n = rows.rows[0] + rows.rows[1];
+  if (n == 0 || H == 0) return;
+  target_rows_hilo_kernel<<<grid_rows(n), kRowThreads, 0, stream>>>(x, ld_x, H, rows, target, target_coef, hi, lo,
+                                                                    ld_w);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_end, std::int64_t H,
+                      const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
+                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t stream) {
+  if (rows == 0 || v_end <= v_begin || H == 0) return;
+  const dim3 grid(static_cast<unsigned>(v_end - v_begin), static_cast<unsigned>((H + kRowThreads - 1) / kRowThreads));
+  hilo_tail_kernel<<<grid, kRowThreads, 0, stream>>>(rows, v_begin, H, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -57,7 +57,9 @@ void launch_pair_math(const PairParams&, std::int64_t pair_begin, std::int64_t p
                       double* avg_grad, cudaStream_t);
 
 // Pass 2: dz rows. D[r, v] = bf16(-k softmax_v) off the target column, 0 at it and in the padding columns
-// [V, ld_dz); target_coef[r] = k (1 - p_target) in fp32, applied outside the GEMMs. k from row_coefficient.
+// [V, min(ld_dz, V rounded up to 8)); target_coef[r] = k (1 - p_target) in fp32, applied outside the GEMMs. k from
+// row_coefficient. dz may be the logits buffer itself (in place: dz == (bf16*) logits, ld_dz = 2 ld_logits, each
+// row's bf16 dz over the first half of its fp32 logits bytes); any other overlap is not allowed.
 struct CoefficientParams {
   std::int64_t T, P;
   double grad_scale;
@@ -75,7 +77,7 @@ void launch_grad_x_finish(const float* grad_x_part, std::int64_t rows, std::int6
                           const float* target_coef, __nv_bfloat16* grad_x_out, cudaStream_t);
 
 // The target term of the weight and bias gradients: grad_weight[target[r]] += c[r] x[r], grad_bias[target[r]]
-// += c[r] (grad_bias may be null), fp32 atomics (rows sharing a target add into one row).
+// += c[r] (grad_weight and grad_bias may each be null), fp32 atomics (rows sharing a target add into one row).
 void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
                            std::int64_t ld_h, const std::int64_t* target, const float* target_coef, float* grad_weight,
                            float* grad_bias, cudaStream_t);
@@ -83,6 +85,26 @@ void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64
 // grad_bias[v] += sum over the part's rows of D[r, v] (fp32 sums of the bf16 values the GEMMs also use).
 void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, std::int64_t rows, std::int64_t V,
                              float* grad_bias, cudaStream_t);
+
+// A chunk's rows as global row ranges: part 0 then part 1 (a three_pass chunk's chosen rows, then its rejected
+// rows); rows[1] = 0 for a chunk of one range.
+struct ChunkRows {
+  std::int64_t begin[2] = {0, 0};
+  std::int64_t rows[2] = {0, 0};
+};
+
+// With grad_W as a bf16 hi/lo pair (hilo_gemm.h; hi, lo [V, ld_w]): the target term grad_W[target[r]] += c[r] x[r]
+// over the chunk's rows, summed per target in fp32 in chunk order and added into the pair once per target
+// (deterministic, no atomics). The bias's target term stays with launch_target_scatter (grad_weight null).
+void launch_target_rows_hilo(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows&,
+                             const std::int64_t* target, const float* target_coef, __nv_bfloat16* hi,
+                             __nv_bfloat16* lo, std::int64_t ld_w, cudaStream_t);
+
+// hi/lo rows [v_begin, v_end) (+)= dz[rows, v]^T x[rows, H] in fp32 (overwrite: the first term): the last V % 8
+// rows of the weight gradient, which the hi/lo GEMM leaves (a handful of rows; a plain loop over the chunk's rows).
+void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_end, std::int64_t H,
+                      const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
+                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t);
 
 // out[r, c] = bf16(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] bf16 one.
 void launch_round_to_bf16(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols,

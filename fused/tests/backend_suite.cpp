@@ -163,16 +163,26 @@ TEST(SIMPO_SUITE(Features), GradWeightF32RoundsToTheBf16Output) {
   f32.grad_weight_f32 = true;
   const TensorMap wide = check_case(spec, f32);
   const TensorMap narrow = compute(generate(spec), backend_options());
-  // Both are one fp32 accumulator rounded once, so rounding the F32 one must give the bf16 one: bitwise on the
-  // cpu; on cuda up to the run-to-run order of the fp32 atomics of the target term, which may move a value
-  // across a rounding boundary (at most 1 in 1000 elements).
+  // Both are one fp32 sum rounded once, so rounding the F32 one must give the bf16 one: bitwise on the cpu; on
+  // cuda up to the run-to-run order of the fp32 atomics of the target term, which may move a value across a
+  // rounding boundary (at most 1 in 1000 elements). On sm_90 the bf16 grad_weight accumulates in the hi/lo pair
+  // (fused/cuda/hilo_gemm.h) instead: each addition after the first rounding carries the sum to 2^-16 of itself,
+  // so an element lands on the other neighbour when it lies within that of a rounding tie, a fraction
+  // <= 2 * 2^-16 / 2^-8 = 2^-7 of the elements per addition; here one chunk, then the target term: one addition.
+  // Every mismatch must still be a neighbour (one bf16 ulp).
   for (const char* name : {output_name::grad_weight, output_name::grad_bias}) {
     const auto a = wide.at(name).as<float>();
     const auto b = narrow.at(name).as<bf16>();
     ASSERT_EQ(a.size(), b.size());
     std::size_t mismatches = 0;
-    for (std::size_t i = 0; i < a.size(); ++i) mismatches += bf16(a[i]) != b[i];
-    EXPECT_LE(mismatches, kBackend == Backend::cuda ? a.size() / 1000 : 0) << name;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      if (bf16(a[i]) == b[i]) continue;
+      ++mismatches;
+      const float x = static_cast<float>(bf16(a[i])), y = static_cast<float>(b[i]);
+      EXPECT_LE(std::abs(x - y), std::ldexp(std::abs(x), -7)) << name << "[" << i << "]: not a neighbour";
+    }
+    const std::size_t hilo = kBackend == Backend::cuda && name == std::string(output_name::grad_weight) ? a.size() / 128 : 0;
+    EXPECT_LE(mismatches, kBackend == Backend::cuda ? a.size() / 1000 + hilo : 0) << name;
   }
 }
 

@@ -7,6 +7,7 @@
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/gemm.h"
+#include "fused/cuda/hilo_gemm.h"
 #include "fused/cuda/promoted_gemm.h"
 
 #include <cublas_v2.h>
@@ -146,6 +147,11 @@ int main(int argc, char** argv) {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.epilogue_stats = a == "--epilogue-stats";
       tuned = true;
+    } else if (a == "--no-hilo" || a == "--hilo-variant") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      if (a == "--no-hilo") tuning.hilo_grad_weight = false;
+      else tuning.hilo_variant = static_cast<int>(next());
+      tuned = true;
     } else if (a == "--forward-chunk-rows") {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.forward_chunk_rows = next();
@@ -156,6 +162,7 @@ int main(int argc, char** argv) {
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
                    "                  [--forward-chunk-rows n (0: as the budget allows)] [--epilogue-stats | --no-epilogue-stats] [--gemms-per-part]\n"
+                   "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
                    "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
@@ -171,12 +178,17 @@ int main(int argc, char** argv) {
                 (tuning.epilogue_stats && tuning.promoted.variant == 0 ? "in the GEMM epilogue" : "by row_stats_kernel") +
                 (tuning.gradient_gemms_per_chunk ? ", gradient GEMMs per chunk" : ", gradient GEMMs per part")
           : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
+  const std::string grad_weight_path =
+      tuning.hilo_grad_weight && hilo_gemm_available() && H % 8 == 0
+          ? std::string("bf16 hi/lo pair (") + hilo_gemm_variant_name(tuning.hilo_variant) + ")"
+          : std::string("fp32 accumulator");
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s, %d SMs, %.1f GiB; T=%lld H=%lld V=%lld, workspace budget %lld MiB, logits: %s, "
-                "%d reps (median)\n", prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
-                (long long)T, (long long)H, (long long)V, (long long)(workspace >> 20), logits_gemm.c_str(), reps);
+                "grad_W: %s, %d reps (median)\n", prop.name, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
+                (long long)T, (long long)H, (long long)V, (long long)(workspace >> 20), logits_gemm.c_str(),
+                grad_weight_path.c_str(), reps);
     std::printf("%4s | %9s %9s | %9s %9s | %7s %7s | %10s %10s | %s\n", "B", "floor fwd", "fused fwd", "floor full",
                 "fused full", "fwd/fl", "full/fl", "extra MiB", "(ws+acc)", "schedule");
 
@@ -213,15 +225,14 @@ int main(int argc, char** argv) {
         if (completion && r / T < B / 2) ++problem.targets.n_chosen;
       }
 
-      // Outputs (grad_x and the bf16 grad_weight), then the baseline for "extra" memory.
+      // Outputs (grad_x and the bf16 grad_weight), then the baseline for "extra" memory: everything the runner
+      // allocates from here on (workspace, grad_W accumulator: lo of the hi/lo pair or an fp32 one, handles).
       DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_weight_bf16(V * H * 2, "grad_weight");
       trim_device_pool();  // what the pool kept of the last B's workspace, out of the baseline
       const std::int64_t free_before = free_device_bytes();
-      DeviceBuffer grad_weight(V * ld_h * 4, "the fp32 grad_weight accumulator");
       DeviceGradients gradients;
       gradients.grad_x = grad_x.as<__nv_bfloat16>();
-      gradients.grad_weight = grad_weight.as<float>();
-      gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();
+      gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();  // no fp32 grad_W: the runner's choice
 
       Options options;
       options.workspace_bytes = workspace;
@@ -233,6 +244,7 @@ int main(int argc, char** argv) {
       const std::string schedule = runner.last_report().schedule.to_string();
       const std::int64_t workspace_full = runner.last_report().workspace_bytes;
       const int fallbacks = runner.last_report().gemm_fallbacks;
+      const std::int64_t accumulator = runner.last_report().accumulator_bytes;
       const std::int64_t extra = free_before - free_device_bytes();  // workspace + accumulator + handles
       const Timing forward = time_it(stream, warmup, reps, [&] { runner.run(problem, nullptr, forward_options, tuning); });
       const std::string forward_schedule = runner.last_report().schedule.to_string();
@@ -242,7 +254,8 @@ int main(int argc, char** argv) {
       Timing floor_fwd, floor_full, f32_fwd, f32_full;
       {
         DeviceBuffer logits(N * ld_v * 4, "floor logits"), dz(N * ld_v * 2, "floor dz"),
-            gx(N * ld_h * 4, "floor grad_x"), gemm_ws(std::size_t{32} << 20, "floor GEMM workspace");
+            gx(N * ld_h * 4, "floor grad_x"), gemm_ws(std::size_t{32} << 20, "floor GEMM workspace"),
+            grad_weight(V * ld_h * 4, "floor grad_W");
         fill_uniform<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), N, V, ld_v, 1e-3f, 4);  // not zeros
         SIMPO_CUDA_CHECK_LAUNCH();
         cublasHandle_t blas;
@@ -284,7 +297,7 @@ int main(int argc, char** argv) {
                   floor_fwd.median_ms, forward.median_ms, floor_full.median_ms, full.median_ms,
                   forward.median_ms / floor_fwd.median_ms, full.median_ms / floor_full.median_ms,
                   extra / 1048576.0,
-                  (std::to_string(workspace_full >> 20) + "+" + std::to_string((V * ld_h * 4) >> 20)).c_str(),
+                  (std::to_string(workspace_full >> 20) + "+" + std::to_string(accumulator >> 20)).c_str(),
                   schedule.c_str(), fallbacks ? " (cuBLAS fallbacks!)" : "");
       std::printf("     floor (bf16 out) rate: fwd %.0f TFLOP/s, full %.0f TFLOP/s; fused full %.0f TFLOP/s (3 GEMMs' "
                   "flops); fp32-out cuBLASLt GEMMs: fwd %.2f full %.2f ms\n",
@@ -292,9 +305,11 @@ int main(int argc, char** argv) {
                   3 * flops_fwd / full.median_ms / 1e9, f32_fwd.median_ms, f32_full.median_ms);
       std::printf("     forward: %s\n", forward_schedule.c_str());
       std::printf("JSON {\"B\": %lld, \"floor_fwd_ms\": %.4f, \"fused_fwd_ms\": %.4f, \"floor_full_ms\": %.4f, "
-                  "\"fused_full_ms\": %.4f, \"extra_mib\": %.1f, \"logits\": \"%s\", \"workspace_mib\": %lld}\n",
+                  "\"fused_full_ms\": %.4f, \"extra_mib\": %.1f, \"logits\": \"%s\", \"grad_w\": \"%s\", "
+                  "\"workspace_mib\": %lld, \"workspace_used_mib\": %.1f, \"accumulator_mib\": %.1f}\n",
                   (long long)B, floor_fwd.median_ms, forward.median_ms, floor_full.median_ms, full.median_ms,
-                  extra / 1048576.0, logits_gemm.c_str(), (long long)(workspace >> 20));
+                  extra / 1048576.0, logits_gemm.c_str(), grad_weight_path.c_str(), (long long)(workspace >> 20),
+                  workspace_full / 1048576.0, accumulator / 1048576.0);
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

@@ -4,6 +4,7 @@
 // dispatch. Needs a CUDA device: without one every test that runs the backend skips with a message saying so.
 #include "fused/cuda/cuda_backend.h"
 #include "fused/cuda/device_fused.h"
+#include "fused/cuda/hilo_gemm.h"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_stats.h"
 #include "fused/fused.h"
@@ -15,6 +16,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -120,6 +123,156 @@ TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
       }
     }
   }
+}
+
+// ---- grad_W as a bf16 hi/lo pair ----
+
+std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-scale, scale);
+  std::vector<bf16> out(n);
+  for (auto& v : out) v = bf16(static_cast<float>(u(rng)));
+  return out;
+}
+
+// Half a bf16 unit in the last place at |e| (8 significant bits: 2^(floor(log2 |e|) - 8)).
+double half_ulp_bf16(double e) { return e == 0 ? 0 : std::ldexp(1.0, std::ilogb(e) - 8); }
+
+// The hi/lo GEMM (hilo_gemm.h) over four chunks (1 to 300 rows, dz with the runner's in-place stride, M and N
+// multiples of 8 but not of a tile) against float64, element by element, with the error model of README.md:
+// after each chunk hi + lo is s to within the accumulated bound
+//   sum over chunks of  2^-16 |s_i|            (lo's own rounding: 2^-8 of a residual <= 2^-8 |s_i|)
+//                     + K_i 2^-23 sum |dz x|   (the tensor cores' fp32 accumulation over the chunk's K_i rows)
+//                     + 2^-22 (|s_i| + sum |dz x|)  (the epilogue's two fp32 additions)
+// and hi is s rounded to nearest: within half a bf16 ulp of the exact sum plus that bound. hi and lo start as NaN:
+// the first chunk must write them without reading.
+TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::hilo_gemm_available())
+    GTEST_SKIP() << "the hi/lo weight GEMM needs a build with CUTLASS and a device of compute capability 9.0";
+  const std::int64_t M = 264, N = 136, ld_dz = 2 * 272;
+  const std::vector<std::int64_t> chunk_rows = {100, 1, 300, 37};
+  const double scales[] = {1.0, 0.5, 2.0, 0.01};  // later chunks smaller and larger than the first
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  cuda::DeviceBuffer hi(M * N * 2, "hi"), lo(M * N * 2, "lo"), scratch(std::size_t{32} << 20, "scratch");
+  for (int variant = 0; variant < cuda::hilo_gemm_variant_count(); ++variant) {
+    SCOPED_TRACE(cuda::hilo_gemm_variant_name(variant));
+    std::mt19937_64 rng(51 + variant);
+    ASSERT_EQ(cudaMemset(hi.get(), 0xFF, hi.bytes()), cudaSuccess);  // 0xFFFF: a bf16 NaN
+    ASSERT_EQ(cudaMemset(lo.get(), 0xFF, lo.bytes()), cudaSuccess);
+    std::vector<double> exact(M * N, 0.0), bound(M * N, 0.0);
+    for (std::size_t i = 0; i < chunk_rows.size(); ++i) {
+      const std::int64_t K = chunk_rows[i];
+      const std::vector<bf16> dz = random_bf16(K * ld_dz, scales[i], rng), x = random_bf16(K * N, 1.0, rng);
+      cuda::DeviceBuffer dz_d(dz.size() * 2, "dz"), x_d(x.size() * 2, "x");
+      ASSERT_EQ(cudaMemcpy(dz_d.get(), dz.data(), dz.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(x_d.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      cuda::hilo_accumulate_grad_weight(K, M, N, dz_d.as<__nv_bfloat16>(), ld_dz, x_d.as<__nv_bfloat16>(), N,
+                                        hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), N, /*overwrite=*/i == 0, stream,
+                                        scratch.get(), scratch.bytes(), variant);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      for (std::int64_t m = 0; m < M; ++m)
+        for (std::int64_t n = 0; n < N; ++n) {
+          double sum = 0, abs_sum = 0;
+          for (std::int64_t k = 0; k < K; ++k) {
+            const double term = double(float(dz[k * ld_dz + m])) * double(float(x[k * N + n]));
+            sum += term;
+            abs_sum += std::abs(term);
+          }
+          double& e = exact[m * N + n];
+          e += sum;
+          bound[m * N + n] += std::ldexp(std::abs(e), -16) + K * std::ldexp(abs_sum, -23) +
+                              std::ldexp(std::abs(e) + abs_sum, -22);
+        }
+    }
+    std::vector<bf16> hi_h(M * N), lo_h(M * N);
+    ASSERT_EQ(cudaMemcpy(hi_h.data(), hi.get(), hi.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(lo_h.data(), lo.get(), lo.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+    int pair_misses = 0, rounding_misses = 0, not_nearest = 0;
+    for (std::int64_t i = 0; i < M * N; ++i) {
+      const double h = float(hi_h[i]), l = float(lo_h[i]), e = exact[i], b = 1.01 * bound[i];
+      pair_misses += !(std::abs(h + l - e) <= b);  // NaN counts as a miss
+      rounding_misses += !(std::abs(h - e) <= half_ulp_bf16(std::abs(e) + b) + b);
+      not_nearest += double(float(bf16(float(e)))) != h;
+    }
+    EXPECT_EQ(pair_misses, 0) << "hi + lo outside the error model";
+    EXPECT_EQ(rounding_misses, 0) << "hi not the nearest bf16 of the sum (to within the model)";
+    // Most elements are nowhere near a rounding tie: hi is then exactly bf16(exact). (The model allows a flip
+    // within ~2^-8 ulp of a tie per chunk: a fraction ~2^-5 here at the most; measured far below.)
+    EXPECT_LE(not_nearest, M * N / 32);
+  }
+  cudaStreamDestroy(stream);
+}
+
+// The full step with grad_W in the hi/lo pair (the default on sm_90) against the fp32 accumulator
+// (Tuning::hilo_grad_weight = false): both meet the bar, and they agree to bf16 noise, in three_pass and
+// two_pass, with a bias, random ignored rows, many rows per target (V = 44: ~20 rows share each target in a
+// chunk, target_rows_hilo's sums), V % 8 != 0 (the last rows by hilo_tail), and a chunk of two parts.
+TEST(CudaBackendFeatures, HiLoGradWeightMeetsTheBarAndAgreesWithTheFp32Accumulator) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::hilo_gemm_available())
+    GTEST_SKIP() << "the hi/lo weight GEMM needs a build with CUTLASS and a device of compute capability 9.0";
+  for (Shape shape : {Shape{.B = 4, .T = 100, .H = 96, .V = 44}, Shape{.B = 2, .T = 70, .H = 520, .V = 1001}}) {
+    CaseSpec spec = spec_of(shape, 30.0, 52);
+    spec.bias = true;
+    spec.ignore = IgnorePattern::random;
+    const Problem problem = generate(spec);
+    const TensorMap exact = reference::compute(problem);
+    for (const std::int64_t chunk_rows : {std::int64_t{0}, 2 * shape.T, shape.T - 1}) {
+      SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows));
+      Options options = cuda_options();
+      options.max_chunk_rows = chunk_rows;
+      cuda::Tuning hilo = cuda::tuning_for(shape.H, options), f32 = hilo;
+      ASSERT_TRUE(hilo.hilo_grad_weight) << "the default";
+      f32.hilo_grad_weight = false;
+      const TensorMap out = cuda::compute(problem, options, hilo);
+      expect_meets_bar(out, exact, spec.logit_scale);
+      expect_same_to_fp32_noise(out, cuda::compute(problem, options, f32), &exact);
+    }
+  }
+}
+
+// The runner's memory with the hi/lo pair: no fp32 grad_W anywhere (the caller gives none), lo of V*H*2 bytes,
+// no separate dz buffer (per row: fp32 logits + fp32 grad_x + gathered x), and the same grad_weight, bit for bit,
+// as cuda::compute's (both deterministic: the target term is summed per target in chunk order, no atomics).
+TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::hilo_gemm_available())
+    GTEST_SKIP() << "the hi/lo weight GEMM needs a build with CUTLASS and a device of compute capability 9.0";
+  const Problem problem = generate(spec_of({.B = 4, .T = 64, .H = 96, .V = 300}, 2.0, 53));
+  const std::int64_t N = problem.shape.N(), H = problem.shape.H, V = problem.shape.V, ld_h = cuda::padded(H);
+  cuda::FusedRunner runner;
+  cuda::DeviceBuffer x(N * ld_h * 2, "x"), w(V * ld_h * 2, "weight"), target(N * 8, "target");
+  ASSERT_EQ(cudaMemcpy(x.get(), problem.x.data(), N * H * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(w.get(), problem.weight.data(), V * H * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  cuda::DeviceProblem device;
+  device.shape = problem.shape;
+  device.hp = problem.hp;
+  device.ld_h = ld_h;
+  device.x = x.as<__nv_bfloat16>();
+  device.weight = w.as<__nv_bfloat16>();
+  device.target = target.as<std::int64_t>();
+  device.targets = read_targets(problem);
+  cuda::DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_w(V * H * 2, "grad_weight");
+  cuda::DeviceGradients gradients;
+  gradients.grad_x = grad_x.as<__nv_bfloat16>();
+  gradients.grad_weight_bf16 = grad_w.as<__nv_bfloat16>();  // and no fp32 grad_weight
+  Options options = cuda_options();
+  options.max_chunk_rows = 128;  // two chunks of one pair each: the second accumulates
+  runner.run(device, &gradients, options);
+  const auto& report = runner.last_report();
+  EXPECT_EQ(report.grad_weight, cuda::RunReport::GradWeight::hilo);
+  EXPECT_EQ(report.accumulator_bytes, V * H * 2);
+  EXPECT_EQ(report.schedule.chunks.size(), 2u);
+  const std::int64_t ld_v = cuda::padded(V);
+  EXPECT_EQ(report.schedule.bytes_per_row, ld_v * 4 + ld_h * 4 + ld_h * 2) << "a separate dz buffer came back";
+  std::vector<bf16> from_runner(V * H);
+  ASSERT_EQ(cudaMemcpy(from_runner.data(), grad_w.get(), grad_w.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  const TensorMap out = cuda::compute(problem, options);
+  const auto expected = out.at(output_name::grad_weight).as<bf16>();
+  ASSERT_EQ(expected.size(), from_runner.size());
+  EXPECT_EQ(std::memcmp(expected.data(), from_runner.data(), from_runner.size() * 2), 0);
 }
 
 // ---- schedules and budgets ----

@@ -1,0 +1,231 @@
+// The weight-gradient GEMM into a bf16 hi/lo pair (hilo_gemm.h), after CUTLASS's example 49 (Hopper GEMM with an
+// epilogue visitor tree). Mainloop: the CollectiveBuilder's bf16 one (both operands MN-major: dz^T is M-major,
+// x is N-major; wgmma reads them transposed from shared memory), plain fp32 tensor-core accumulation over the
+// chunk's rows (the truncation bias of a 2048-long accumulation, ~1e-6 relative, is far under the bf16 output's
+// 2^-9). Epilogue, stock visitor nodes only:
+//
+//   s  = beta * C + (acc + aux_load(hi))        Sm90EVT<multiply_add, ScalarBroadcast, SrcFetch, EVT<plus, Acc, AuxLoad>>
+//   hi = aux_store(bf16(s))                     Sm90AuxStore (round to nearest), passes s on unchanged
+//   D  = bf16(s - float(bf16(s)))               Sm90Compute<Residual>, D's store rounds to nearest
+//
+// with C = D = lo and the aux load and store both on hi: each tile is read (C and aux loads, TMA into shared
+// memory) before the same CTA writes it, and tiles are disjoint, so in place is safe. Why lo is C and hi the aux
+// and not the other way round: the tree has one output that its parent can see, and both stores need s; with
+// hi as the aux store (which passes its input through) the residual can still be formed from s above it.
+//
+// The first chunk (`overwrite`): beta = 0, which CUTLASS's multiply_add tree specialization reads as "C not
+// needed" (no C load), and a null aux pointer, which Sm90AuxLoad reads as zeros (no load): nothing is cleared.
+#include "fused/cuda/cuda_check.h"
+#include "fused/cuda/hilo_gemm.h"
+
+#include <string>
+
+#if defined(SIMPO_HAVE_CUTLASS_SM90)
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_store_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+#include "cutlass/numeric_conversion.h"
+#endif
+
+namespace simpo::fused::cuda {
+
+#if defined(SIMPO_HAVE_CUTLASS_SM90)
+namespace {
+
+using namespace cute;
+namespace fusion = cutlass::epilogue::fusion;
+constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+
+// s - float(bf16(s)), elementwise, with the same conversion (round to nearest even) as the aux store's, so
+// hi + lo is s to within lo's own rounding.
+template <class T>
+struct Residual {
+  CUTLASS_HOST_DEVICE T operator()(T const& s) const {
+    constexpr int N = T::kElements;
+    cutlass::NumericArrayConverter<cutlass::bfloat16_t, float, N, kRound> to_bf16;
+    cutlass::NumericArrayConverter<float, cutlass::bfloat16_t, N, kRound> to_float;
+    const T rounded = to_float(to_bf16(s));
+    T r;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) r[i] = s[i] - rounded[i];
+    return r;
+  }
+};
+
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+struct HiLoGemm {
+  using Element = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::ColumnMajor;  // dz^T [M = V, K = rows]: m contiguous (a row of dz)
+  using LayoutB = cutlass::layout::RowMajor;     // x [K = rows, N = H]: n contiguous
+  using LayoutW = cutlass::layout::RowMajor;     // hi, lo [V, ld_w]
+  using StrideW = cutlass::detail::TagToStrideC_t<LayoutW>;
+
+  using Descriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, EpilogueSchedule>;
+  using HiLoadDescriptor = cutlass::epilogue::collective::detail::AuxLoadDescriptor<Descriptor, LayoutW, Element>;
+  using HiStoreDescriptor = cutlass::epilogue::collective::detail::AuxStoreDescriptor<Descriptor, LayoutW, Element>;
+  using HiLoad = fusion::Sm90AuxLoad<HiLoadDescriptor::Stages, typename Descriptor::EpilogueTile, Element,
+                                     typename HiLoadDescriptor::Stride, typename HiLoadDescriptor::SmemLayoutAtom,
+                                     typename HiLoadDescriptor::CopyOpS2R>;
+  using HiStore = fusion::Sm90AuxStore<HiStoreDescriptor::Stages, typename Descriptor::EpilogueTile, Element, kRound,
+                                       typename HiStoreDescriptor::Stride, typename HiStoreDescriptor::SmemLayoutAtom,
+                                       typename HiStoreDescriptor::CopyOpR2S>;
+  using AccPlusHi = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, float, float, kRound>, fusion::Sm90AccFetch,
+                                    HiLoad>;
+  using Sum = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float, kRound>,
+                              fusion::Sm90ScalarBroadcast<float>, fusion::Sm90SrcFetch<Element>, AccPlusHi>;
+  using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<Residual, Element, float, kRound>,
+                                    fusion::Sm90EVT<HiStore, Sum>>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutW, 8, Element, LayoutW, 8,
+      EpilogueSchedule, Callbacks>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static_assert(cute::is_same_v<typename Mainloop::StrideA, cute::Stride<cute::Int<1>, int64_t, int64_t>>);
+  static_assert(cute::is_same_v<typename Mainloop::StrideB, cute::Stride<cute::Int<1>, int64_t, int64_t>>);
+  static_assert(cute::is_same_v<StrideW, cute::Stride<int64_t, cute::Int<1>, int64_t>>);
+
+  static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t M, std::int64_t N,
+                                            const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x,
+                                            std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo,
+                                            std::int64_t ld_w, bool overwrite) {
+    typename Mainloop::StrideA stride_a{Int<1>{}, ld_dz, 0};
+    typename Mainloop::StrideB stride_b{Int<1>{}, ld_x, 0};
+    StrideW stride_w{ld_w, Int<1>{}, 0};
+    static const int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    cutlass::KernelHardwareInfo hw{0, sm_count};
+    cudaGetDevice(&hw.device_id);
+    auto* hi_e = reinterpret_cast<Element*>(hi);
+    auto* lo_e = reinterpret_cast<Element*>(lo);
+
+    typename Gemm::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {static_cast<int>(M), static_cast<int>(N), static_cast<int>(rows), 1};
+    args.mainloop = {reinterpret_cast<const Element*>(dz), stride_a, reinterpret_cast<const Element*>(x), stride_b};
+    // Callbacks' arguments nest as the tree: {children..., node}.
+    typename Callbacks::Arguments thread{
+        {                                               // EVT<HiStore, Sum>
+         {                                              // Sum
+          {{overwrite ? 0.0f : 1.0f}},                  //   beta
+          {},                                           //   C = lo
+          {{}, {overwrite ? nullptr : hi_e, Element(0), stride_w}, {}},  // acc + hi (a null hi reads as 0)
+          {}},                                          //   multiply_add
+         {hi_e, stride_w}},                             // hi = bf16(s)
+        {}};                                            // D = lo = s - hi
+    args.epilogue.thread = thread;
+    args.epilogue.ptr_C = lo_e;
+    args.epilogue.dC = stride_w;
+    args.epilogue.ptr_D = lo_e;
+    args.epilogue.dD = stride_w;
+    args.hw_info = hw;
+    return args;
+  }
+
+  static void run(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz, std::int64_t ld_dz,
+                  const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
+                  bool overwrite, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
+    const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite);
+    Gemm gemm;
+    if (Gemm::get_workspace_size(args) > workspace_bytes)
+      throw CudaError("hi/lo weight GEMM: needs " + std::to_string(Gemm::get_workspace_size(args)) +
+                      " bytes of scratch, has " + std::to_string(workspace_bytes));
+    cutlass::Status status = gemm.can_implement(args);
+    if (status != cutlass::Status::kSuccess)
+      throw CudaError(std::string("hi/lo weight GEMM cannot run rows=") + std::to_string(rows) + " M=" +
+                      std::to_string(M) + " N=" + std::to_string(N) + " ld_dz=" + std::to_string(ld_dz) + " ld_x=" +
+                      std::to_string(ld_x) + " ld_w=" + std::to_string(ld_w) + ": " +
+                      cutlass::cutlassGetStatusString(status));
+    status = gemm.initialize(args, workspace, stream);
+    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    if (status != cutlass::Status::kSuccess)
+      throw CudaError(std::string("hi/lo weight GEMM: ") + cutlass::cutlassGetStatusString(status));
+    SIMPO_CUDA_CHECK_LAUNCH();
+  }
+};
+
+using Cooperative128x256 =
+    HiLoGemm<cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+             cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Pingpong64x256 =
+    HiLoGemm<cute::Shape<_64, _256, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+             cutlass::epilogue::TmaWarpSpecialized>;
+
+constexpr const char* kNames[] = {"128x256x64 cooperative", "64x256x64 ping-pong"};
+
+template <class F>
+decltype(auto) dispatch(int variant, F&& f) {
+  switch (variant) {
+    case 0: return f(Cooperative128x256{});
+    case 1: return f(Pingpong64x256{});
+  }
+  throw CudaError("hi/lo weight GEMM: no variant " + std::to_string(variant));
+}
+
+}  // namespace
+
+bool hilo_gemm_available() {
+  static const bool available = [] {
+    int device = 0;
+    cudaDeviceProp prop{};
+    if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return prop.major == 9 && prop.minor == 0;  // sm_90a code runs on compute capability 9.0 alone
+  }();
+  return available;
+}
+
+int hilo_gemm_variant_count() { return static_cast<int>(sizeof(kNames) / sizeof(kNames[0])); }
+const char* hilo_gemm_variant_name(int variant) {
+  return variant >= 0 && variant < hilo_gemm_variant_count() ? kNames[variant] : "none";
+}
+
+void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
+                                 std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
+                                 __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t stream,
+                                 void* workspace, std::size_t workspace_bytes, int variant) {
+  if (rows == 0 || M == 0 || N == 0) return;
+  if (M % 8 != 0 || N % 8 != 0 || ld_dz % 8 != 0 || ld_x % 8 != 0 || ld_w % 8 != 0)
+    throw CudaError("hi/lo weight GEMM: M=" + std::to_string(M) + " N=" + std::to_string(N) + " ld_dz=" +
+                    std::to_string(ld_dz) + " ld_x=" + std::to_string(ld_x) + " ld_w=" + std::to_string(ld_w) +
+                    " must all be multiples of 8 (16-byte TMA rows)");
+  dispatch(variant, [&](auto gemm) {
+    decltype(gemm)::run(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, stream, workspace,
+                        workspace_bytes);
+  });
+}
+
+#else  // built without CUTLASS or without an sm_90a target: the runner keeps the fp32 accumulator
+
+bool hilo_gemm_available() { return false; }
+int hilo_gemm_variant_count() { return 0; }
+const char* hilo_gemm_variant_name(int) { return "none"; }
+void hilo_accumulate_grad_weight(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, std::int64_t,
+                                 const __nv_bfloat16*, std::int64_t, __nv_bfloat16*, __nv_bfloat16*, std::int64_t, bool,
+                                 cudaStream_t, void*, std::size_t, int) {
+  throw CudaError("hi/lo weight GEMM: not built (needs CUTLASS and an sm_90a target)");
+}
+
+#endif
+
+}  // namespace simpo::fused::cuda
