@@ -111,11 +111,13 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
     return forward_outputs(problem, device.targets, stats);
   }
 
-  // Gradients: the fp32 accumulators, and the bf16 outputs they are rounded into unless F32 was asked for.
+  // Gradients. grad_weight: an F32 output is its own fp32 accumulator; a bf16 one is all the runner needs (it
+  // accumulates in the hi/lo pair over it, or in an fp32 accumulator of its own where the pair cannot run:
+  // device_fused.h), so no fp32 [V, H] buffer is made here for it. grad_bias: fp32, rounded into bf16 unless F32.
   const bool f32 = options.grad_weight_f32;
   DeviceBuffer grad_x(static_cast<std::size_t>(N * H * 2), "grad_x", stream);
-  DeviceBuffer grad_weight(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator", stream);
-  DeviceBuffer grad_bias, grad_weight_bf16, grad_bias_bf16;
+  DeviceBuffer grad_weight, grad_bias, grad_weight_bf16, grad_bias_bf16;
+  if (f32) grad_weight = DeviceBuffer(static_cast<std::size_t>(V * ld_h * 4), "grad_weight (fp32)", stream);
   if (problem.has_bias())
     grad_bias = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator", stream);
   if (!f32) {

@@ -159,14 +159,17 @@ DeviceResult compute_device(const DeviceCall& c) {
   fused::cuda::DeviceGradients g;
   if (gradients) {
     g.grad_x = reinterpret_cast<__nv_bfloat16*>(c.grad_x);
-    // The fp32 [V, padded(H)] accumulator: the caller's F32 output itself when that has no padding.
+    // An F32 output is its own fp32 [V, padded(H)] accumulator (a padded copy when H % 8 != 0); a bf16 output is
+    // all the runner needs: it accumulates in the hi/lo pair over it, or in an fp32 buffer of its own (its report
+    // says how many bytes, counted below).
     if (f32 && ld_h == H) {
       g.grad_weight = reinterpret_cast<float*>(c.grad_weight);
-    } else {
+    } else if (f32) {
       weight_acc = DeviceBuffer(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator");
       result.extra_device_bytes += V * ld_h * 4;
       g.grad_weight = weight_acc.as<float>();
-      if (!f32) g.grad_weight_bf16 = reinterpret_cast<__nv_bfloat16*>(c.grad_weight);
+    } else {
+      g.grad_weight_bf16 = reinterpret_cast<__nv_bfloat16*>(c.grad_weight);
     }
     if (c.bias) {
       if (f32) {
@@ -186,6 +189,7 @@ DeviceResult compute_device(const DeviceCall& c) {
                                        V, cudaMemcpyDeviceToDevice, stream));
   result.forward = fused::forward_outputs(proxy, dp.targets, stats);
   result.workspace_bytes = runner.last_report().workspace_bytes;
+  result.extra_device_bytes += runner.last_report().accumulator_bytes;
 
   // The caller's later work waits for the outputs; the temporaries are freed only after the runner's stream is
   // done with them.

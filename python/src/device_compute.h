@@ -39,7 +39,9 @@ struct DeviceCall {
 struct DeviceResult {
   TensorMap forward;                   // loss, nll_loss, *_logps, *_logits_mean, *_rewards (F32, host)
   std::int64_t workspace_bytes = 0;    // the runner's scratch (kept between calls)
-  std::int64_t extra_device_bytes = 0; // allocated for this call only: fp32 accumulators, padded copies
+  // Beyond the workspace: this call's fp32 accumulators and padded copies, and the runner's grad_weight
+  // accumulator (the lo half of the hi/lo pair, or an fp32 one; kept between calls like the workspace).
+  std::int64_t extra_device_bytes = 0;
 };
 
 #if SIMPO_PYTHON_CUDA
