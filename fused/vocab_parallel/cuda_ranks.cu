@@ -125,6 +125,7 @@ class Step {
                        std::to_string(fixed + per_row) + " bytes (" + std::to_string(fixed) + " fixed, plus " +
                        std::to_string(per_row) + " per row)");
     schedule_ = plan_rows(shape_, rows_that_fit, options);
+    schedule_.bytes_per_row = per_row;  // a rank's, for its largest shard (not the one-GPU formula's full V)
     const std::int64_t rows = schedule_.max_rows();
 
     for (int g = 0; g < shards; ++g) {
@@ -241,6 +242,8 @@ class Step {
     }
     return stats;
   }
+
+  const Schedule& schedule() const { return schedule_; }
 
   // run(), then every rank's outputs: forward outputs from its own copy of the statistics, grad_x, its shards.
   std::vector<RankOutputs> compute() {
@@ -494,13 +497,14 @@ struct RestoreDevice {  // the ranks switch devices; the caller gets its own bac
 }  // namespace
 
 std::vector<double> time_ranks_cuda(const Problem& problem, const Options& options, int shards,
-                                    Communication communication, int reps) {
+                                    Communication communication, int reps, std::string* schedule) {
   validate(problem, {.scan_values = options.validate});
   split_vocabulary(problem.shape.V, shards);
   const CudaPlan plan = plan_cuda(shards, communication);
   const RestoreDevice restore;
   const std::unique_ptr<Collectives> collectives = collectives_for(plan, shards, restore.device);
   Step step(problem, options, shards, *collectives);
+  if (schedule) *schedule = step.schedule().to_string();
   step.run();
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {

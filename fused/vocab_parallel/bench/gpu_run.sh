@@ -5,7 +5,8 @@
 #                                                            host libraries the device lacks into STAGE
 #   fused/vocab_parallel/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default "ctest case bench"): ctest -L gpu;
 #                                                            case --impl cuda --vocab-shards 1 2 3 on a mid-size
-#                                                            shape; the bench (G=2 against one GPU, V=256000)
+#                                                            shape; the bench (BENCH_ARGS, default G = 2, 4 in
+#                                                            process against one GPU, B = 2, 8, V=256000)
 # NCCL_NVLS_ENABLE=0 throughout (NVLink multicast off; nccl_collectives.cu forces it too). Logs in $OUT.
 set -u
 mode=${1:?stage or run}
@@ -26,7 +27,7 @@ fi
 stage=$(realpath "${2:?stage folder}")
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0
+export NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 gunzip -kf "$stage/lib/libopenblas.so.0.gz"
 sed "s|@DIR@|$stage|g" "$stage/CTestTestfile.cmake.in" > "$stage/CTestTestfile.cmake"
 # CUDA libraries (NCCL too) from the toolkit or a wheel where the loader does not find them; host ones from the stage.
@@ -55,7 +56,7 @@ if [[ $parts == *" case "* ]]; then
   done
 fi
 if [[ $parts == *" bench "* ]]; then
-  echo "== vocab_parallel_bench --B 2 --shards 2 (T=1024 H=4096 V=256000)"
-  timeout 240 "$stage/vocab_parallel_bench" --B 2 --shards 2 --reps 5 2>&1 | tee "$OUT/bench.log"
+  echo "== vocab_parallel_bench ${BENCH_ARGS:=--B 2 8 --shards 2 4} (T=1024 H=4096 V=256000)"
+  timeout 300 "$stage/vocab_parallel_bench" $BENCH_ARGS --reps 5 2>&1 | tee "$OUT/bench.log"
 fi
 date -u

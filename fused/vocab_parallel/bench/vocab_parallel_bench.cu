@@ -2,7 +2,7 @@
 // published shape with a large vocabulary (default T=1024, H=4096, V=256000, B=2). With one GPU lent, the G ranks
 // run in process on it (in-process collectives), so the step can at best take G times one shard's GEMMs: the
 // table shows that floor next to it. On a machine with G GPUs, --nccl puts one rank per GPU.
-//   vocab_parallel_bench [--B 2] [--T 1024] [--H 4096] [--V 256000] [--shards 2 3] [--reps 5] [--nccl]
+//   vocab_parallel_bench [--B 2 8] [--T 1024] [--H 4096] [--V 256000] [--shards 2 3] [--reps 5] [--nccl]
 // Inputs: x ~ U(-sqrt3, sqrt3), W scaled for logits of standard deviation ~2, targets uniform with the first tenth
 // of each sequence a prompt (never zeros: they run faster than real data). Times: medians over --reps after one
 // warm-up; the fused steps by host clock around each synchronized run, the GEMMs by CUDA events.
@@ -61,8 +61,8 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// The one-GPU fused step (FusedRunner) on the same inputs, uploaded once.
-double time_one_gpu(const Problem& p, const Options& options, int reps) {
+// The one-GPU fused step (FusedRunner) on the same inputs, uploaded once; `schedule` gets its chunk plan.
+double time_one_gpu(const Problem& p, const Options& options, int reps, std::string& schedule) {
   const Shape& s = p.shape;
   const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
   FusedRunner runner;
@@ -88,6 +88,7 @@ double time_one_gpu(const Problem& p, const Options& options, int reps) {
   g.grad_weight_bf16 = grad_w16.as<__nv_bfloat16>();
   const Tuning tuning = tuning_for(H, options);
   runner.run(d, &g, options, tuning);
+  schedule = runner.last_report().schedule.to_string();
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     const auto start = std::chrono::steady_clock::now();
@@ -143,59 +144,72 @@ double time_gemms(std::int64_t N, std::int64_t V, std::int64_t H, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::int64_t B = 2, T = 1024, H = 4096, V = 256000;
+  std::int64_t T = 1024, H = 4096, V = 256000;
   int reps = 5;
   bool nccl = false;
   std::vector<int> shards;
+  std::vector<std::int64_t> batches;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&] { return i + 1 < argc ? std::atoll(argv[++i]) : 0; };
-    if (a == "--B") B = next();
+    auto list = [&](auto& out) {
+      while (i + 1 < argc && argv[i + 1][0] != '-') out.push_back(std::atoi(argv[++i]));
+    };
+    if (a == "--B") list(batches);
     else if (a == "--T") T = next();
     else if (a == "--H") H = next();
     else if (a == "--V") V = next();
     else if (a == "--reps") reps = static_cast<int>(next());
     else if (a == "--nccl") nccl = true;
-    else if (a == "--shards")
-      while (i + 1 < argc && argv[i + 1][0] != '-') shards.push_back(std::atoi(argv[++i]));
+    else if (a == "--shards") list(shards);
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
     }
   }
   if (shards.empty()) shards = {2};
+  if (batches.empty()) batches = {2};
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    Problem p;
-    p.shape = {B, T, H, V};
-    const std::int64_t N = p.shape.N();
-    p.x.resize(static_cast<std::size_t>(N * H));
-    p.weight.resize(static_cast<std::size_t>(V * H));
-    fill(p.x, 1.7320508f, 1);
-    fill(p.weight, static_cast<float>(std::sqrt(3.0 * 4.0 / H)), 2);
-    p.target.resize(static_cast<std::size_t>(N));
-    for (std::int64_t r = 0; r < N; ++r)
-      p.target[r] = (r % T) < T / 10 ? p.hp.ignore_index
-                                     : std::min<std::int64_t>(V - 1, static_cast<std::int64_t>(0.5f * (uniform_pm1(3, r) + 1) * V));
     Options options;
     options.backend = Backend::cuda;
     options.validate = false;  // inputs made here are finite
-    std::printf("device %s; B=%lld T=%lld H=%lld V=%lld, full step (forward + gradients, bf16 grad_weight), "
-                "median of %d\n", prop.name, (long long)B, (long long)T, (long long)H, (long long)V, reps);
-    const double one = time_one_gpu(p, options, reps);
-    const double floor_one = time_gemms(N, V, H, reps);
-    std::printf("one GPU (FusedRunner): step %.2f ms | GEMM floor %.2f ms | step/floor %.3f\n", one, floor_one,
-                one / floor_one);
-    for (const int G : shards) {
-      const auto split = vp::split_vocabulary(V, G);
-      const double shard_floor = time_gemms(N, split[0].size(), H, reps);
-      const vp::Communication c = nccl ? vp::Communication::nccl : vp::Communication::in_process;
-      const double t = median(vp::time_ranks_cuda(p, options, G, c, reps));
-      const std::string label = "G=" + std::to_string(G) + " " + vp::communication_name(c) + " (" +
-                                vp::plan_cuda(G, c).description + ")";
-      std::printf("%s: step %.2f ms | shard GEMM floor %.2f ms, x G = %.2f ms | step/(G floor) %.3f | step/one GPU %.3f\n",
-                  label.c_str(), t, shard_floor, G * shard_floor, t / (G * shard_floor), t / one);
+    std::printf("device %s; T=%lld H=%lld V=%lld, full step (forward + gradients, bf16 grad_weight), median of %d; "
+                "workspace %lld MiB per rank (one GPU: also G times that)\n",
+                prop.name, (long long)T, (long long)H, (long long)V, reps, (long long)(options.workspace_bytes >> 20));
+    for (const std::int64_t B : batches) {
+      Problem p;
+      p.shape = {B, T, H, V};
+      const std::int64_t N = p.shape.N();
+      p.x.resize(static_cast<std::size_t>(N * H));
+      p.weight.resize(static_cast<std::size_t>(V * H));
+      fill(p.x, 1.7320508f, 1);
+      fill(p.weight, static_cast<float>(std::sqrt(3.0 * 4.0 / H)), 2);
+      p.target.resize(static_cast<std::size_t>(N));
+      for (std::int64_t r = 0; r < N; ++r)
+        p.target[r] = (r % T) < T / 10 ? p.hp.ignore_index
+                                       : std::min<std::int64_t>(V - 1, static_cast<std::int64_t>(0.5f * (uniform_pm1(3, r) + 1) * V));
+      std::string schedule;
+      const double one = time_one_gpu(p, options, reps, schedule);
+      const double floor_one = time_gemms(N, V, H, reps);
+      std::printf("B=%lld one GPU (FusedRunner): step %.2f ms | GEMM floor %.2f ms | step/floor %.3f | %s\n",
+                  (long long)B, one, floor_one, one / floor_one, schedule.c_str());
+      for (const int G : shards) {
+        Options wide = options;
+        wide.workspace_bytes = options.workspace_bytes * G;
+        const double one_wide = time_one_gpu(p, wide, reps, schedule);
+        std::printf("B=%lld one GPU, %lld MiB workspace: step %.2f ms | step/floor %.3f | %s\n", (long long)B,
+                    (long long)(wide.workspace_bytes >> 20), one_wide, one_wide / floor_one, schedule.c_str());
+        const auto split = vp::split_vocabulary(V, G);
+        const double shard_floor = time_gemms(N, split[0].size(), H, reps);
+        const vp::Communication c = nccl ? vp::Communication::nccl : vp::Communication::in_process;
+        const double t = median(vp::time_ranks_cuda(p, options, G, c, reps, &schedule));
+        std::printf("B=%lld G=%d %s: step %.2f ms | shard GEMM floor %.2f ms, x G = %.2f ms | step/(G floor) %.3f | "
+                    "step/one GPU %.3f, /one GPU at G x workspace %.3f | %s\n",
+                    (long long)B, G, vp::plan_cuda(G, c).description.c_str(), t, shard_floor, G * shard_floor,
+                    t / (G * shard_floor), t / one, t / one_wide, schedule.c_str());
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "vocab_parallel_bench: %s\n", e.what());
