@@ -31,7 +31,9 @@ class Nccl final : public Collectives {
       throw InputError("NCCL collectives: a device holds two ranks; NCCL refuses that (\"Duplicate GPU\"): use the "
                        "in-process collectives for several ranks on one GPU");
     // NVLink multicast (NVLS) off, whatever the environment says: on a shared host it can take the GPUs down.
-    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    // (Set only when not already "0": setenv races with other threads' getenv, e.g. case's concurrent reference.)
+    const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+    if (nvls == nullptr || std::string(nvls) != "0") setenv("NCCL_NVLS_ENABLE", "0", 1);
     ncclUniqueId id;
     SIMPO_NCCL_CHECK(ncclGetUniqueId(&id));
     const int n = static_cast<int>(devices.size());
