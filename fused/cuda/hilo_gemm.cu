@@ -17,6 +17,7 @@
 // needed" (no C load), and a null aux pointer, which Sm90AuxLoad reads as zeros (no load): nothing is cleared.
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/hilo_gemm.h"
+#include "fused/cuda/promoted_gemm.h"
 
 #include <string>
 
@@ -182,18 +183,8 @@ decltype(auto) dispatch(int variant, F&& f) {
 
 }  // namespace
 
-bool hilo_gemm_available() {
-  static const bool available = [] {
-    int device = 0;
-    cudaDeviceProp prop{};
-    if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return prop.major == 9 && prop.minor == 0;  // sm_90a code runs on compute capability 9.0 alone
-  }();
-  return available;
-}
+// The same library, built for sm_90a with CUTLASS or not at all: what holds for the promoted GEMM holds here.
+bool hilo_gemm_available() { return promoted_logits_available(); }
 
 int hilo_gemm_variant_count() { return static_cast<int>(sizeof(kNames) / sizeof(kNames[0])); }
 const char* hilo_gemm_variant_name(int variant) {

@@ -19,6 +19,7 @@
 #include "fused/cuda/kernels.h"
 
 #include "fused/cuda/cuda_check.h"
+#include "fused/cuda/row_reduce.cuh"
 #include "fused/simpo_math.h"
 
 namespace simpo::fused::cuda {
@@ -26,130 +27,26 @@ namespace {
 
 namespace m = ::simpo::fused::math;
 
-constexpr int kRowThreads = 256;  // one block per token row; 8 warps keep ~16 KB of loads in flight per row
-constexpr int kWarps = kRowThreads / 32;
-
-// ---- 16-byte access helpers: 8 consecutive columns of a row per thread and step ----
-
-// Eight fp32 logits (two 16-byte loads) plus, with a bias, eight bf16 biases (one 16-byte load).
-template <bool kBias>
-__device__ inline void load8(const float* row, const __nv_bfloat16* bias, std::int64_t v, float z[8]) {
-  const float4 lo = *reinterpret_cast<const float4*>(row + v);
-  const float4 hi = *reinterpret_cast<const float4*>(row + v + 4);
-  z[0] = lo.x; z[1] = lo.y; z[2] = lo.z; z[3] = lo.w;
-  z[4] = hi.x; z[5] = hi.y; z[6] = hi.z; z[7] = hi.w;
-  if constexpr (kBias) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(bias + v);
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 b = __bfloat1622float2(pairs[i]);
-      z[2 * i] += b.x;
-      z[2 * i + 1] += b.y;
-    }
-  }
-}
-
-template <bool kBias>
-__device__ inline float load1(const float* row, const __nv_bfloat16* bias, std::int64_t v) {
-  float z = row[v];
-  if constexpr (kBias) z += __bfloat162float(bias[v]);
-  return z;
-}
-
-__device__ inline void store8(__nv_bfloat16* out, const float v[8]) {
-  uint4 raw;
-  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  *reinterpret_cast<uint4*>(out) = raw;
-}
-
-// ---- block reductions (warp shuffles, then one value per warp through shared memory) ----
-
-__device__ inline m::LogSumExp<float> warp_merge(m::LogSumExp<float> s) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const m::LogSumExp<float> other{__shfl_xor_sync(0xffffffffu, s.max, offset),
-                                    __shfl_xor_sync(0xffffffffu, s.sum, offset)};
-    s = m::lse_merge(s, other);
-  }
-  return s;
-}
-
-__device__ inline double warp_sum(double x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
-// Sums `x` over the block; the result is valid in thread 0. Each call in a kernel needs its own `shared`
-// array: there is no barrier after thread 0 reads it.
-__device__ inline double block_sum(double x, double* shared /*[kWarps]*/) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  x = warp_sum(x);
-  if (lane == 0) shared[warp] = x;
-  __syncthreads();
-  double total = 0;
-  if (threadIdx.x == 0)
-    for (int w = 0; w < kWarps; ++w) total += shared[w];
-  return total;
-}
+// kRowThreads, the 16-byte loads and stores, the warp and block reductions, reduce_row: row_reduce.cuh.
+using namespace ::simpo::fused::cuda::rows;
 
 // ---- pass 1: row statistics ----
-// One block per row, one read of the row: each thread folds its columns into an online (max, sum of exp)
-// state and a double sum of the logits; warps merge by shuffles, the block through shared memory.
+// One block per row, one read of the row (reduce_row).
 template <bool kBias>
 __global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, float* row_max, float* lse,
                                                                float* z_target, double* rowsum) {
   const std::int64_t local = blockIdx.x, r = a.row_begin + local;
   const float* row = a.logits + local * a.ld_logits;
-  const std::int64_t V8 = a.V / 8 * 8;
-
-  m::LogSumExp<float> state = m::lse_empty<float>();
-  double sum = 0;
-  for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < V8; v += kRowThreads * 8) {
-    float z[8];
-    load8<kBias>(row, a.bias, v, z);
-    float partial = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      state = m::lse_add(state, z[i]);
-      partial += z[i];
-    }
-    sum += partial;
-  }
-  for (std::int64_t v = V8 + threadIdx.x; v < a.V; v += kRowThreads) {
-    const float z = load1<kBias>(row, a.bias, v);
-    state = m::lse_add(state, z);
-    sum += z;
-  }
-
-  __shared__ float shared_max[kWarps], shared_sum[kWarps];
-  __shared__ double shared_total[kWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  state = warp_merge(state);
-  sum = warp_sum(sum);
-  if (lane == 0) {
-    shared_max[warp] = state.max;
-    shared_sum[warp] = state.sum;
-    shared_total[warp] = sum;
-  }
-  __syncthreads();
+  const RowReduction reduced = reduce_row<kBias>(row, a.bias, a.V);
   if (threadIdx.x == 0) {
-    m::LogSumExp<float> total = m::lse_empty<float>();
-    double total_sum = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      total = m::lse_merge(total, m::LogSumExp<float>{shared_max[w], shared_sum[w]});
-      total_sum += shared_total[w];
-    }
+    const m::LogSumExp<float> total = reduced.lse;
     // Relative to the row max (see RowStats in fused/forward_outputs.h): l = z_target - lse is then exact to
     // fp32 even when the target is the max logit and l ~ 0, where unshifted values would lose ulp(lse).
     const std::int64_t t = a.target[r];
     row_max[r] = total.max;
     lse[r] = m::lse_value(m::LogSumExp<float>{0.0f, total.sum});
     z_target[r] = t != a.ignore_index ? load1<kBias>(row, a.bias, t) - total.max : 0.0f;
-    rowsum[r] = total_sum;
+    rowsum[r] = reduced.sum;
   }
 }
 

@@ -1,9 +1,10 @@
 // The vocab-parallel step's own row kernels (shard_kernels.h). The statistics kernel is the one-GPU
-// row_stats_kernel (fused/cuda/kernels.cu) with its result left unmerged across ranks: the same 16-byte loads,
-// online (max, sum exp) per thread, warp shuffles and block merge, so a one-rank run computes the same bits.
+// row_stats_kernel (fused/cuda/kernels.cu) with its result left unmerged across ranks: the same row reduction
+// (reduce_row, fused/cuda/row_reduce.cuh), so a one-rank run computes the same bits.
 #include "fused/vocab_parallel/shard_kernels.h"
 
 #include "fused/cuda/cuda_check.h"
+#include "fused/cuda/row_reduce.cuh"
 #include "fused/simpo_math.h"
 
 #include <string>
@@ -13,100 +14,23 @@ namespace {
 
 namespace m = ::simpo::fused::math;
 
-constexpr int kRowThreads = 256;
-constexpr int kWarps = kRowThreads / 32;
-
-template <bool kBias>
-__device__ inline void load8(const float* row, const __nv_bfloat16* bias, std::int64_t v, float z[8]) {
-  const float4 lo = *reinterpret_cast<const float4*>(row + v);
-  const float4 hi = *reinterpret_cast<const float4*>(row + v + 4);
-  z[0] = lo.x; z[1] = lo.y; z[2] = lo.z; z[3] = lo.w;
-  z[4] = hi.x; z[5] = hi.y; z[6] = hi.z; z[7] = hi.w;
-  if constexpr (kBias) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(bias + v);
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 b = __bfloat1622float2(pairs[i]);
-      z[2 * i] += b.x;
-      z[2 * i + 1] += b.y;
-    }
-  }
-}
-
-template <bool kBias>
-__device__ inline float load1(const float* row, const __nv_bfloat16* bias, std::int64_t v) {
-  float z = row[v];
-  if constexpr (kBias) z += __bfloat162float(bias[v]);
-  return z;
-}
-
-__device__ inline m::LogSumExp<float> warp_merge(m::LogSumExp<float> s) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const m::LogSumExp<float> other{__shfl_xor_sync(0xffffffffu, s.max, offset),
-                                    __shfl_xor_sync(0xffffffffu, s.sum, offset)};
-    s = m::lse_merge(s, other);
-  }
-  return s;
-}
-
-__device__ inline double warp_sum(double x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
+// kRowThreads, the 16-byte loads, reduce_row: the one-GPU backend's (fused/cuda/row_reduce.cuh).
+using namespace ::simpo::fused::cuda::rows;
 
 template <bool kBias>
 __global__ void __launch_bounds__(kRowThreads) shard_row_stats_kernel(cuda::LogitRows a, std::int64_t at,
                                                                      ChunkStats s) {
   const std::int64_t local = blockIdx.x, r = a.row_begin + local, i = at + local;
   const float* row = a.logits + local * a.ld_logits;
-  const std::int64_t V8 = a.V / 8 * 8;
-
-  m::LogSumExp<float> state = m::lse_empty<float>();
-  double sum = 0;
-  for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < V8; v += kRowThreads * 8) {
-    float z[8];
-    load8<kBias>(row, a.bias, v, z);
-    float partial = 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      state = m::lse_add(state, z[k]);
-      partial += z[k];
-    }
-    sum += partial;
-  }
-  for (std::int64_t v = V8 + threadIdx.x; v < a.V; v += kRowThreads) {
-    const float z = load1<kBias>(row, a.bias, v);
-    state = m::lse_add(state, z);
-    sum += z;
-  }
-
-  __shared__ float shared_max[kWarps], shared_sum[kWarps];
-  __shared__ double shared_total[kWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  state = warp_merge(state);
-  sum = warp_sum(sum);
-  if (lane == 0) {
-    shared_max[warp] = state.max;
-    shared_sum[warp] = state.sum;
-    shared_total[warp] = sum;
-  }
-  __syncthreads();
+  const RowReduction reduced = reduce_row<kBias>(row, a.bias, a.V);
   if (threadIdx.x == 0) {
-    m::LogSumExp<float> total = m::lse_empty<float>();
-    double total_sum = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      total = m::lse_merge(total, m::LogSumExp<float>{shared_max[w], shared_sum[w]});
-      total_sum += shared_total[w];
-    }
+    const m::LogSumExp<float> total = reduced.lse;
     const std::int64_t t = a.target[r];  // shard-local: >= 0 only on the owner
     s.local_max[i] = total.max;
     s.max[i] = total.max;
     s.sum_and_target[i] = total.sum;
     s.sum_and_target[s.rows + i] = t >= 0 ? load1<kBias>(row, a.bias, t) : 0.0f;  // exact: the others add 0
-    s.rowsum[i] = total_sum;
+    s.rowsum[i] = reduced.sum;
   }
 }
 
