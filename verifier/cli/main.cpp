@@ -79,6 +79,11 @@ struct MainJob {
 
 int run_main_job(const MainJob& job) {
   const sv::Implementation impl = sv::implementation_by_name(job.impl, job.impl_options);
+  // Asked before the sweep, not after a minute of it: a binary carried away from its build tree finds no fixtures.
+  if (!job.no_fixtures && !std::filesystem::is_directory(job.fixtures_dir))
+    throw InputError("the committed fixtures are not at " + job.fixtures_dir +
+                     " (this binary's source tree, or SIMPO_FIXTURES_DIR): give --fixtures-dir DIR (fixtures/cases of a "
+                     "checkout) or --no-fixtures");
   sv::SweepOptions options;
   options.seed = job.seed;
   options.max_cases = job.cases;

@@ -30,6 +30,10 @@ done
 expect_refusal "compute --workspace 0" "--workspace must be a positive" "$exe" compute --impl reference --inputs "$in" --out "$work/o.safetensors" --workspace 0
 expect_refusal "sweep --case-timeout 0" "--case-timeout must be" "$exe" sweep --impl "exec:true" --cases 1 --case-timeout 0
 expect_refusal "case --beta lots" "--beta" "$exe" case --impl reference --beta lots
+# The main job asks for its fixtures before the sweep (a binary carried away from its tree), and takes them from
+# SIMPO_FIXTURES_DIR when set.
+expect_refusal "main job --fixtures-dir missing" "give --fixtures-dir" "$exe" --impl cpu --fixtures-dir "$work/none" --cases 1
+SIMPO_FIXTURES_DIR="$work/none" expect_refusal "main job SIMPO_FIXTURES_DIR missing" "$work/none" "$exe" --impl cpu --cases 1
 
 # check: several candidates, the reference once; --reference-outputs instead of recomputing.
 "$exe" compute --impl cpu --inputs "$in" --out "$work/cpu.safetensors" 2>/dev/null || fail "compute cpu"
