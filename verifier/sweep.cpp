@@ -42,14 +42,14 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   // Cases per parallel batch. Every thread waits at the end of a batch for its slowest case, so a batch of 2 per
   // thread left most of 16 threads idle behind each large case (the H200 host's main job: 217 cases/s with the cuda
-  // backend, 287 with 8 per thread); a long batch overruns the time budget by up to one batch. So: about a second
-  // of cases at the rate measured so far, between 2 and 32 per thread.
+  // backend, 287 with 8 per thread); a long batch overruns the time budget by up to one batch. So: about half a
+  // second of cases at the rate measured so far, between 2 and 16 per thread.
   auto batch_size = [&]() -> std::int64_t {
     if (threads == 1) return 1;
-    const std::int64_t fewest = 2 * std::int64_t{threads}, most = 32 * std::int64_t{threads};
+    const std::int64_t fewest = 2 * std::int64_t{threads}, most = 16 * std::int64_t{threads};
     const double seconds = elapsed();
     if (result.cases == 0 || seconds <= 0) return fewest;
-    return std::clamp(static_cast<std::int64_t>(static_cast<double>(result.cases) / seconds), fewest, most);
+    return std::clamp(static_cast<std::int64_t>(0.5 * static_cast<double>(result.cases) / seconds), fewest, most);
   };
   struct Judged {
     Case c;
