@@ -3,6 +3,7 @@
 // both chunk schedules; every rank's replicated outputs bit-identical; NCCL with G = 1 against the in-process
 // G = 1. Labelled gpu: each test skips, saying why, where no CUDA device is present.
 #include "fused/vocab_parallel/vocab_parallel.h"
+#include "fused/vocab_parallel/tests/shard_cases.h"
 #include "problem/generate.h"
 #include "reference/reference.h"
 #include "verifier/error_model.h"
@@ -15,62 +16,39 @@ namespace {
 
 using namespace simpo;
 namespace vp = simpo::fused::vocab_parallel;
+using namespace vp::shard_cases;
 
 #define SKIP_WITHOUT_DEVICE()                                                                        \
   do {                                                                                               \
     if (!fused::cuda_available()) GTEST_SKIP() << "no CUDA device here: the cuda ranks are not run"; \
   } while (0)
 
-CaseSpec small_case(std::uint64_t seed) {
-  CaseSpec spec;
-  spec.shape = {4, 6, 24, 67};  // 67 is prime: no G > 1 divides it
-  spec.seed = seed;
-  return spec;
-}
-
-void expect_strict_pass(const Problem& problem, const TensorMap& candidate, bool gradients = true) {
-  reference::Options ro;
-  ro.gradients = gradients;
-  const TensorMap exact = reference::compute(problem, ro);
-  const verifier::Report report = verifier::compare(problem, exact, candidate, verifier::strict_profile());
-  EXPECT_TRUE(report.passed()) << verifier::format_table(report);
-}
-
 // The in-process ranks, gathered (gather refuses ranks whose replicated outputs differ in a bit).
 TensorMap in_process(const Problem& problem, const fused::Options& options, int shards) {
   return vp::gather(vp::compute_ranks_cuda(problem, options, shards, vp::Communication::in_process));
 }
 
-struct Feature {
-  const char* name;
-  void (*apply)(CaseSpec&, fused::Options&);
-};
-
-const Feature features[] = {
-    {"plain", [](CaseSpec&, fused::Options&) {}},
-    {"bias", [](CaseSpec& s, fused::Options&) { s.bias = true; }},
-    {"label_smoothing_bias", [](CaseSpec& s, fused::Options&) { s.bias = true; s.hp.label_smoothing = 0.2; }},
-    {"ignore_index_inside_vocab", [](CaseSpec& s, fused::Options&) { s.hp.ignore_index = 5; }},
-    {"logit_scale_30", [](CaseSpec& s, fused::Options&) { s.logit_scale = 30; }},
-    {"no_nll_grad_scale", [](CaseSpec& s, fused::Options&) { s.hp.compute_nll_loss = false; s.hp.grad_scale = -2.5; }},
-    {"three_pass_chunks", [](CaseSpec&, fused::Options& o) { o.max_chunk_rows = 12; }},  // one pair a chunk
-    {"two_pass_chunks", [](CaseSpec&, fused::Options& o) { o.max_chunk_rows = 5; }},    // a pair does not fit
-    {"single_token", [](CaseSpec& s, fused::Options&) { s.shape.T = 1; s.ignore = IgnorePattern::none; }},
-    // Tensor-core sized, H not a multiple of 8 (padded rows), shards of 1367/1366 columns (the promoted GEMM's
-    // groups of 4 and its cuBLAS tail), two three_pass chunks.
-    {"mid_size_bias_chunks", [](CaseSpec& s, fused::Options& o) {
-       s.shape = {4, 48, 260, 4099};
-       s.bias = true;
-       o.max_chunk_rows = 96;
-     }},
-};
+// The shared features, and one at tensor-core size: H not a multiple of 8 (padded rows), shards of 1367/1366
+// columns (the promoted GEMM's groups of 4 and its cuBLAS tail), two three_pass chunks.
+const std::vector<Feature>& cuda_features() {
+  static const std::vector<Feature> all = [] {
+    std::vector<Feature> f = features();
+    f.push_back({"mid_size_bias_chunks", [](CaseSpec& s, fused::Options& o) {
+                   s.shape = {4, 48, 260, 4099};
+                   s.bias = true;
+                   o.max_chunk_rows = 96;
+                 }});
+    return f;
+  }();
+  return all;
+}
 
 class CudaVocabShards : public ::testing::TestWithParam<int> {};
 
 TEST_P(CudaVocabShards, AgreesWithTheReferenceUnderStrict) {
   SKIP_WITHOUT_DEVICE();
   std::uint64_t seed = 200;
-  for (const Feature& f : features) {
+  for (const Feature& f : cuda_features()) {
     SCOPED_TRACE(f.name);
     CaseSpec spec = small_case(seed++);
     fused::Options options;

@@ -2,6 +2,7 @@
 // for G = 1, 2, 3 (V not divisible by G), across the features and both chunk schedules.
 #include "fused/cpu/cpu_backend.h"
 #include "fused/vocab_parallel/vocab_parallel.h"
+#include "fused/vocab_parallel/tests/shard_cases.h"
 #include "problem/generate.h"
 #include "reference/reference.h"
 #include "verifier/error_model.h"
@@ -12,44 +13,13 @@ namespace {
 
 using namespace simpo;
 namespace vp = simpo::fused::vocab_parallel;
-
-CaseSpec small_case(std::uint64_t seed) {
-  CaseSpec spec;
-  spec.shape = {4, 6, 24, 67};  // 67 is prime: no G > 1 divides it
-  spec.seed = seed;
-  return spec;
-}
-
-void expect_strict_pass(const Problem& problem, const TensorMap& candidate, bool gradients = true) {
-  reference::Options ro;
-  ro.gradients = gradients;
-  const TensorMap exact = reference::compute(problem, ro);
-  const verifier::Report report = verifier::compare(problem, exact, candidate, verifier::strict_profile());
-  EXPECT_TRUE(report.passed()) << verifier::format_table(report);
-}
-
-struct Feature {
-  const char* name;
-  void (*apply)(CaseSpec&, fused::Options&);
-};
-
-const Feature features[] = {
-    {"plain", [](CaseSpec&, fused::Options&) {}},
-    {"bias", [](CaseSpec& s, fused::Options&) { s.bias = true; }},
-    {"label_smoothing_bias", [](CaseSpec& s, fused::Options&) { s.bias = true; s.hp.label_smoothing = 0.2; }},
-    {"ignore_index_inside_vocab", [](CaseSpec& s, fused::Options&) { s.hp.ignore_index = 5; }},
-    {"logit_scale_30", [](CaseSpec& s, fused::Options&) { s.logit_scale = 30; }},
-    {"no_nll_grad_scale", [](CaseSpec& s, fused::Options&) { s.hp.compute_nll_loss = false; s.hp.grad_scale = -2.5; }},
-    {"three_pass_chunks", [](CaseSpec&, fused::Options& o) { o.max_chunk_rows = 12; }},  // one pair a chunk
-    {"two_pass_chunks", [](CaseSpec&, fused::Options& o) { o.max_chunk_rows = 5; }},    // a pair does not fit
-    {"single_token", [](CaseSpec& s, fused::Options&) { s.shape.T = 1; s.ignore = IgnorePattern::none; }},
-};
+using namespace vp::shard_cases;
 
 class VocabShards : public ::testing::TestWithParam<int> {};
 
 TEST_P(VocabShards, AgreesWithTheReferenceUnderStrict) {
   std::uint64_t seed = 100;
-  for (const Feature& f : features) {
+  for (const Feature& f : features()) {
     SCOPED_TRACE(f.name);
     CaseSpec spec = small_case(seed++);
     fused::Options options;
