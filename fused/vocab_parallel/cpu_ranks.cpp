@@ -327,16 +327,3 @@ TensorMap compute(const Problem& problem, const Options& options, int shards) {
 }
 
 }  // namespace simpo::fused::vocab_parallel
-
-namespace simpo::fused::vocab_parallel {
-
-std::string communication_name(Communication c) {
-  switch (c) {
-    case Communication::automatic: return "automatic";
-    case Communication::nccl: return "nccl";
-    case Communication::in_process: return "in-process";
-  }
-  return "?";
-}
-
-}  // namespace simpo::fused::vocab_parallel

@@ -448,8 +448,6 @@ int device_count() {
 
 }  // namespace
 
-bool cuda_built() { return true; }
-
 CudaPlan plan_cuda(int shards, Communication communication) {
   if (shards < 1) throw InputError("--vocab-shards " + std::to_string(shards) + ": needs at least one shard");
   CudaPlan plan;

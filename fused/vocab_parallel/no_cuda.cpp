@@ -4,7 +4,6 @@
 
 namespace simpo::fused::vocab_parallel {
 
-bool cuda_built() { return false; }
 bool nccl_built() { return false; }
 
 CudaPlan plan_cuda(int shards, Communication) {

@@ -56,7 +56,6 @@ TensorMap compute(const Problem&, const Options&, int shards);
 // a kernel (NCCL refuses two ranks of one communicator on one GPU: "Duplicate GPU"). `automatic`: NCCL when it
 // was built and there are at least G devices, else in process.
 enum class Communication { automatic, nccl, in_process };
-std::string communication_name(Communication);  // "automatic", "nccl", "in-process"
 
 // The form `communication` resolves to here for G ranks, with a line saying what runs where; InputError naming
 // the problem when none can run (no CUDA build or device, NCCL not built or too few GPUs, G < 1).
@@ -66,8 +65,7 @@ struct CudaPlan {
   std::string description;  // "3 ranks on one GPU (device 0 of 1 visible), in-process collectives"
 };
 CudaPlan plan_cuda(int shards, Communication = Communication::automatic);
-bool cuda_built();  // this build has the cuda ranks (nvcc at configure time)
-bool nccl_built();  // ... and NCCL (found at configure time)
+bool nccl_built();  // this build has the cuda ranks and NCCL (found at configure time)
 
 // The G ranks' outputs computed on CUDA devices as `plan_cuda` resolves `communication` (validates first).
 std::vector<RankOutputs> compute_ranks_cuda(const Problem&, const Options&, int shards,
