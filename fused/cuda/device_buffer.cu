@@ -3,6 +3,7 @@
 #include "fused/cuda/cuda_check.h"
 
 #include <mutex>
+#include <set>
 #include <utility>
 
 namespace simpo::fused::cuda {
@@ -17,20 +18,24 @@ namespace {
                    " bytes free); use a smaller problem or Options::workspace_bytes");
 }
 
-// The current device's default pool, its release threshold raised once per device (the default, 0, returns
-// every freed byte to the driver at each synchronization).
+// The current device's default pool, its release threshold raised to pool_retained_bytes once per device (the
+// default, 0, returns every freed byte to the driver at each synchronization). Raised, never lowered: the pool is
+// the process's, and another library in it (torch's cudaMallocAsync allocator) may keep more.
 cudaMemPool_t default_pool() {
   int device = 0;
   SIMPO_CUDA_CHECK(cudaGetDevice(&device));
   cudaMemPool_t pool = nullptr;
   SIMPO_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
   static std::mutex mutex;
-  static std::uint64_t configured = 0;  // bit d: device d's threshold is set (devices beyond 63 set it each time)
+  static std::set<int> configured;
   const std::lock_guard lock(mutex);
-  if (device >= 64 || !(configured >> device & 1)) {
-    std::uint64_t threshold = pool_retained_bytes;
-    SIMPO_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
-    if (device < 64) configured |= std::uint64_t{1} << device;
+  if (configured.insert(device).second) {
+    std::uint64_t threshold = 0;
+    SIMPO_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    if (threshold < pool_retained_bytes) {
+      threshold = pool_retained_bytes;
+      SIMPO_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    }
   }
   return pool;
 }

@@ -3,6 +3,7 @@
 // variants), workspace budgets from the 64 MiB minimum up with the runner's own report, device errors and the
 // dispatch. Needs a CUDA device: without one every test that runs the backend skips with a message saying so.
 #include "fused/cuda/cuda_backend.h"
+#include "fused/cuda/device_buffer.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/hilo_gemm.h"
 #include "fused/cuda/promoted_gemm.h"
@@ -406,6 +407,23 @@ TEST(CudaBackendRunners, ConcurrentCallsOfEverySizeAgreeWithSequentialOnes) {
       expect_same_to_fp32_noise(concurrent[t][i], sequential[(t + i) % problems.size()]);
     }
   }
+}
+
+// The runner's buffers come from the device's default pool, whose release threshold it raises to keep freed
+// memory between calls; the pool is the whole process's, so a higher threshold set by someone else (torch's
+// cudaMallocAsync allocator keeps more) must survive. (ctest runs each test in its own process, so the runner
+// meets the pool here for the first time.)
+TEST(CudaBackendRunners, ThePoolReleaseThresholdIsRaisedNeverLowered) {
+  SKIP_WITHOUT_DEVICE();
+  cudaMemPool_t pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  std::uint64_t threshold = std::uint64_t{16} << 30;
+  ASSERT_GT(threshold, cuda::pool_retained_bytes);
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), cudaSuccess);
+  cuda::compute(generate(spec_of(feature_shape, 2.0, 71)), cuda_options());
+  std::uint64_t after = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &after), cudaSuccess);
+  EXPECT_EQ(after, threshold);
 }
 
 }  // namespace
