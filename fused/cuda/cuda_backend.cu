@@ -54,6 +54,27 @@ FusedRunner& thread_runner() {
 
 }  // namespace
 
+DeviceInputs upload_inputs(const Problem& problem, cudaStream_t stream) {
+  const Shape& s = problem.shape;
+  const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
+  DeviceInputs in;
+  in.x = upload_rows(problem.x, N, H, ld_h, "x", stream);
+  in.weight = upload_rows(problem.weight, V, H, ld_h, "weight", stream);
+  if (problem.has_bias()) in.bias = upload_rows(*problem.bias, 1, V, V, "bias", stream);
+  in.target = DeviceBuffer(static_cast<std::size_t>(N * 8), "target", stream);
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(in.target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice, stream));
+  DeviceProblem& d = in.problem;
+  d.shape = s;
+  d.hp = problem.hp;
+  d.ld_h = ld_h;
+  d.x = in.x.as<__nv_bfloat16>();
+  d.weight = in.weight.as<__nv_bfloat16>();
+  d.bias = problem.has_bias() ? in.bias.as<__nv_bfloat16>() : nullptr;
+  d.target = in.target.as<std::int64_t>();
+  d.targets = read_targets(problem);
+  return in;
+}
+
 Tuning tuning_for(std::int64_t H, const Options& options) {
   Tuning tuning;
   if (options.logits_k_slice <= 0) return tuning;  // one cuBLAS GEMM
@@ -89,22 +110,8 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
     ~ReleaseWorkspace() { runner.release_workspace(); }
   } release_workspace{runner};
 
-  // Inputs.
-  DeviceBuffer x = upload_rows(problem.x, N, H, ld_h, "x", stream);
-  DeviceBuffer weight = upload_rows(problem.weight, V, H, ld_h, "weight", stream);
-  DeviceBuffer bias, target(static_cast<std::size_t>(N * 8), "target", stream);
-  if (problem.has_bias()) bias = upload_rows(*problem.bias, 1, V, V, "bias", stream);
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice, stream));
-
-  DeviceProblem device;
-  device.shape = s;
-  device.hp = problem.hp;
-  device.ld_h = ld_h;
-  device.x = x.as<__nv_bfloat16>();
-  device.weight = weight.as<__nv_bfloat16>();
-  device.bias = problem.has_bias() ? bias.as<__nv_bfloat16>() : nullptr;
-  device.target = target.as<std::int64_t>();
-  device.targets = read_targets(problem);
+  const DeviceInputs inputs = upload_inputs(problem, stream);
+  const DeviceProblem& device = inputs.problem;
 
   if (!options.gradients) {
     const RowStats stats = runner.run(device, nullptr, options, tuning);

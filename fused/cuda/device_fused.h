@@ -129,4 +129,14 @@ class FusedRunner {
 // cuda::compute (cuda_backend.h) with explicit tuning.
 TensorMap compute(const Problem&, const Options&, const Tuning&);
 
+// A host problem's inputs on the device, owned, and the DeviceProblem that views them: x and weight as [rows,
+// ld_h] with zero padding columns, the bias (when the problem has one), the targets. Stream-ordered on `stream`
+// (enqueued, not waited for). What cuda::compute uploads; the tests and benchmarks that drive a FusedRunner
+// themselves use the same.
+struct DeviceInputs {
+  DeviceBuffer x, weight, bias, target;
+  DeviceProblem problem;
+};
+DeviceInputs upload_inputs(const Problem&, cudaStream_t stream);
+
 }  // namespace simpo::fused::cuda

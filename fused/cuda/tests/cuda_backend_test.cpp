@@ -243,18 +243,8 @@ TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
   const Problem problem = generate(spec_of({.B = 4, .T = 64, .H = 96, .V = 300}, 2.0, 53));
   const std::int64_t N = problem.shape.N(), H = problem.shape.H, V = problem.shape.V, ld_h = cuda::padded(H);
   cuda::FusedRunner runner;
-  cuda::DeviceBuffer x(N * ld_h * 2, "x"), w(V * ld_h * 2, "weight"), target(N * 8, "target");
-  ASSERT_EQ(cudaMemcpy(x.get(), problem.x.data(), N * H * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(w.get(), problem.weight.data(), V * H * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice), cudaSuccess);
-  cuda::DeviceProblem device;
-  device.shape = problem.shape;
-  device.hp = problem.hp;
-  device.ld_h = ld_h;
-  device.x = x.as<__nv_bfloat16>();
-  device.weight = w.as<__nv_bfloat16>();
-  device.target = target.as<std::int64_t>();
-  device.targets = read_targets(problem);
+  const cuda::DeviceInputs inputs = cuda::upload_inputs(problem, runner.stream());
+  const cuda::DeviceProblem& device = inputs.problem;
   cuda::DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_w(V * H * 2, "grad_weight");
   cuda::DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();
@@ -300,23 +290,9 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
   SKIP_WITHOUT_DEVICE();
   const Problem problem = generate(spec_of({.B = 4, .T = 256, .H = 64, .V = 50000}, 2.0, 45));
   const std::int64_t N = problem.shape.N(), H = problem.shape.H, V = problem.shape.V, ld_h = cuda::padded(H);
-  // Minimal device inputs: zero-padded uploads as cuda::compute makes them.
   cuda::FusedRunner runner;
-  cuda::DeviceBuffer x(N * ld_h * 2, "x"), w(V * ld_h * 2, "weight"), target(N * 8, "target");
-  ASSERT_EQ(cudaMemset(x.get(), 0, x.bytes()), cudaSuccess);
-  ASSERT_EQ(cudaMemset(w.get(), 0, w.bytes()), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy2D(x.get(), ld_h * 2, problem.x.data(), H * 2, H * 2, N, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy2D(w.get(), ld_h * 2, problem.weight.data(), H * 2, H * 2, V, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice), cudaSuccess);
-  cuda::DeviceProblem device;
-  device.shape = problem.shape;
-  device.hp = problem.hp;
-  device.ld_h = ld_h;
-  device.x = x.as<__nv_bfloat16>();
-  device.weight = w.as<__nv_bfloat16>();
-  device.target = target.as<std::int64_t>();
-  device.targets = read_targets(problem);
+  const cuda::DeviceInputs inputs = cuda::upload_inputs(problem, runner.stream());
+  const cuda::DeviceProblem& device = inputs.problem;
   cuda::DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_w(V * ld_h * 4, "grad_weight");
   cuda::DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();
