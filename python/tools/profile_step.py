@@ -1,0 +1,110 @@
+"""Where the fused step's time goes, kernel by kernel: our forward + backward (simpo_verify.torch, the cuda backend)
+on bench_peers.py's workload (T=1024, H=4096, V=128256, bf16) at one B, under torch.profiler, beside the three
+bf16 GEMMs of the floor profiled the same way. Prints, per kernel (CUTLASS and cuBLAS names shortened to what
+they compute), its device time per step and its share; the floor's GEMMs likewise.
+
+    python3 profile_step.py [--B 8] [--steps 3]
+
+Why a profiler and not events around each phase: the fused step is one call that enqueues ~15 kernels per chunk;
+the profiler's CUPTI records give each kernel's own device time without changing what runs.
+"""
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_peers import H, T, V, loss_fn, timed  # noqa: E402
+
+# Kernel-name patterns -> what the kernel computes (first match wins).
+# Kernel-name patterns -> what the kernel computes (first match wins). CUTLASS kernels are told apart by the
+# types in their names (our files' anonymous namespaces demangle without the file name).
+NAMES = [
+    (r"::Residual\b", "weight GEMM into the hi/lo pair (CUTLASS)"),
+    (r"RowStats", "logits GEMM with epilogue statistics (CUTLASS)"),
+    (r"MainloopSm90TmaGmmaWarpSpecializedFP8|SplitNMainloop", "logits GEMM, promoted (CUTLASS)"),
+    (r"\b(?!device_kernel)(\w+_kernel)\b", None),  # ours (kernels.cu) and torch's, by their own name
+    (r"gemm|xmma|nvjet|cutlass", "GEMM"),  # cuBLAS's: its kernel name says the tile and layout
+]
+
+
+def short(name):
+    for pattern, label in NAMES:
+        m = re.search(pattern, name)
+        if m:
+            return f"GEMM {name[:100]}" if label == "GEMM" else label or m.group(1)
+    return name[:60]
+
+
+def kernel_times(fn, steps):
+    """{short kernel name: (device ms per step, launches per step)} of fn() run `steps` times under the profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total = collections.defaultdict(float)
+    count = collections.Counter()
+    spans = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            key = short(e.name)
+            total[key] += e.device_time_total / 1000.0  # us -> ms
+            count[key] += 1
+            spans.append((e.time_range.start, e.time_range.end, key))
+    # The device's idle time inside the profiled steps, by the kernels on either side of each gap.
+    spans.sort()
+    gaps = collections.defaultdict(float)
+    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+        if start > end:
+            gaps[(before, after)] += (start - end) / 1000.0
+    return {k: (total[k] / steps, count[k] / steps) for k in total}, {k: v / steps for k, v in gaps.items()}
+
+
+def show(title, profiled, wall):
+    times, gaps = profiled
+    whole = sum(ms for ms, _ in times.values())
+    print(f"== {title}: {whole:.2f} ms of kernels per step, {wall:.2f} ms wall (median, CUDA events): "
+          f"{wall - whole:.2f} ms with no kernel running")
+    for k, (ms, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {ms:8.3f} ms {100 * ms / whole:5.1f}%  x{n:5.1f}  {k}")
+    print(f"  idle between kernels inside a step: {sum(gaps.values()):.3f} ms; the largest, by neighbours:")
+    for (before, after), ms in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {ms:8.3f} ms  after {before[:50]}  before {after[:50]}")
+
+
+def main():
+    a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("--B", type=int, default=8)
+    a.add_argument("--steps", type=int, default=3)
+    args = a.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(torch.bfloat16)
+    x = torch.randn(args.B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
+    f = loss_fn("ours")
+    xg = x.detach().requires_grad_(True)
+    wg = w.detach().requires_grad_(True)
+
+    def step():
+        xg.grad, wg.grad = None, None
+        f(xg, wg, t).backward()
+
+    print(f"B={args.B} T={T} H={H} V={V}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    show("ours, forward + backward", kernel_times(step, args.steps), timed(step, 5))
+    N = args.B * T
+    x2 = x.reshape(N, H)
+    dz = torch.randn(N, V, device="cuda", generator=g).to(torch.bfloat16)
+    gemms = lambda: (x2 @ w.t(), dz @ w, dz.t() @ x2)  # noqa: E731
+    show("floor: the three bf16 GEMMs", kernel_times(gemms, args.steps), timed(gemms, 5))
+
+
+if __name__ == "__main__":
+    main()
