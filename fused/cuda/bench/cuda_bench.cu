@@ -2,7 +2,7 @@
 // forward-only and forward+backward times against the floor measured in the same run: the same GEMMs through
 // cuBLAS with bf16 outputs, as torch runs them (1 GEMM for the forward, 3 for forward+backward); the peak device memory the fused step takes
 // above its inputs and outputs. Random inputs (never zeros: they run faster than real data), times are medians
-// of CUDA-event intervals after warm-up. Inputs live on the device: no host transfers are timed. Each B also
+// of CUDA-event intervals after warm-up, the fused step and its floor timed in turns. Inputs live on the device: no host transfers are timed. Each B also
 // prints one "JSON {...}" line (bench/speed_table.py collects them).
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
@@ -81,6 +81,39 @@ Timing time_it(cudaStream_t stream, int warmup, int reps, const std::function<vo
   SIMPO_CUDA_CHECK(cudaEventDestroy(stop));
   std::sort(ms.begin(), ms.end());
   return {ms[ms.size() / 2], ms.front()};
+}
+
+// Medians of `reps` event-timed calls of each body, the bodies taking turns (a, b, a, b, ...) after `warmup`
+// untimed rounds: the fused step and its floor then see the same clocks and temperature, which drift over a
+// run by more than the differences measured (the same floor read 8.07 and 8.76 ms a minute apart in one call).
+std::vector<Timing> time_interleaved(cudaStream_t stream, int warmup, int reps,
+                                     const std::vector<std::function<void()>>& bodies) {
+  for (int i = 0; i < warmup; ++i)
+    for (const auto& body : bodies) body();
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaEvent_t start, stop;
+  SIMPO_CUDA_CHECK(cudaEventCreate(&start));
+  SIMPO_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<std::vector<double>> ms(bodies.size());
+  for (int i = 0; i < reps; ++i) {
+    for (std::size_t b = 0; b < bodies.size(); ++b) {
+      SIMPO_CUDA_CHECK(cudaEventRecord(start, stream));
+      bodies[b]();
+      SIMPO_CUDA_CHECK(cudaEventRecord(stop, stream));
+      SIMPO_CUDA_CHECK(cudaEventSynchronize(stop));
+      float elapsed = 0;
+      SIMPO_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+      ms[b].push_back(elapsed);
+    }
+  }
+  SIMPO_CUDA_CHECK(cudaEventDestroy(start));
+  SIMPO_CUDA_CHECK(cudaEventDestroy(stop));
+  std::vector<Timing> out;
+  for (auto& m : ms) {
+    std::sort(m.begin(), m.end());
+    out.push_back({m[m.size() / 2], m.front()});
+  }
+  return out;
 }
 
 std::int64_t free_device_bytes() {
@@ -225,11 +258,9 @@ int main(int argc, char** argv) {
         if (completion && r / T < B / 2) ++problem.targets.n_chosen;
       }
 
-      // Outputs (grad_x and the bf16 grad_weight), then the baseline for "extra" memory: everything the runner
-      // allocates from here on (workspace, grad_W accumulator: lo of the hi/lo pair or an fp32 one, handles).
+      // Outputs (grad_x and the bf16 grad_weight). The runner's "extra" memory (workspace, grad_W accumulator: lo
+      // of the hi/lo pair or an fp32 one, handles) is what its first run takes, measured below.
       DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_weight_bf16(V * H * 2, "grad_weight");
-      trim_device_pool();  // what the pool kept of the last B's workspace, out of the baseline
-      const std::int64_t free_before = free_device_bytes();
       DeviceGradients gradients;
       gradients.grad_x = grad_x.as<__nv_bfloat16>();
       gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();  // no fp32 grad_W: the runner's choice
@@ -240,49 +271,55 @@ int main(int argc, char** argv) {
       Options forward_options = options;
       forward_options.gradients = false;
 
-      const Timing full = time_it(stream, warmup, reps, [&] { runner.run(problem, &gradients, options, tuning); });
+      // The floor: the three GEMMs as torch runs them, cuBLAS with bf16 outputs (fp32 compute), no fused work
+      // between them; and, for reference, the same GEMMs with fp32 outputs as the backend's cuBLAS path runs them.
+      DeviceBuffer logits(N * ld_v * 4, "floor logits"), dz(N * ld_v * 2, "floor dz"), gx(N * ld_h * 4, "floor grad_x"),
+          gemm_ws(std::size_t{32} << 20, "floor GEMM workspace"), grad_weight(V * ld_h * 4, "floor grad_W");
+      fill_uniform<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), N, V, ld_v, 1e-3f, 4);  // not zeros
+      SIMPO_CUDA_CHECK_LAUNCH();
+      cublasHandle_t blas;
+      SIMPO_CUBLAS_CHECK(cublasCreate(&blas));
+      SIMPO_CUBLAS_CHECK(cublasSetStream(blas, stream));
+      const float one = 1.0f, zero = 0.0f;
+      // Row-major C[m, n] = A B as column-major C^T = B^T A^T; each call says which operand is transposed.
+      auto bf16_gemm = [&](cublasOperation_t op_w, cublasOperation_t op_x, std::int64_t m, std::int64_t n,
+                           std::int64_t k, const void* A, std::int64_t lda, const void* Bm, std::int64_t ldb, void* C,
+                           std::int64_t ldc) {
+        SIMPO_CUBLAS_CHECK(cublasGemmEx(blas, op_w, op_x, int(m), int(n), int(k), &one, A, CUDA_R_16BF, int(lda), Bm,
+                                        CUDA_R_16BF, int(ldb), &zero, C, CUDA_R_16BF, int(ldc), CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
+      };
+      auto floor_logits = [&] {  // logits[N, V] = x W^T
+        bf16_gemm(CUBLAS_OP_T, CUBLAS_OP_N, V, N, ld_h, problem.weight, ld_h, problem.x, ld_h, logits.get(), ld_v);
+      };
+      auto floor_step = [&] {
+        floor_logits();
+        // grad_x[N, H] = dz W
+        bf16_gemm(CUBLAS_OP_N, CUBLAS_OP_N, ld_h, N, V, problem.weight, ld_h, dz.get(), ld_v, gx.get(), ld_h);
+        // grad_W[V, H] = dz^T x
+        bf16_gemm(CUBLAS_OP_N, CUBLAS_OP_T, ld_h, V, N, problem.x, ld_h, dz.get(), ld_v, grad_weight.get(), ld_h);
+      };
+
+      // The fused step once, for its report and the memory it takes (baseline: everything above), then the fused
+      // step and its floor in turns (time_interleaved), forward+backward and forward alone.
+      trim_device_pool();  // what the pool kept of the last B's workspace, out of the baseline
+      const std::int64_t free_before = free_device_bytes();
+      runner.run(problem, &gradients, options, tuning);
       const std::string schedule = runner.last_report().schedule.to_string();
       const std::int64_t workspace_full = runner.last_report().workspace_bytes;
       const int fallbacks = runner.last_report().gemm_fallbacks;
       const std::int64_t accumulator = runner.last_report().accumulator_bytes;
       const std::int64_t extra = free_before - free_device_bytes();  // workspace + accumulator + handles
-      const Timing forward = time_it(stream, warmup, reps, [&] { runner.run(problem, nullptr, forward_options, tuning); });
+      const auto full_pair = time_interleaved(
+          stream, warmup, reps, {[&] { runner.run(problem, &gradients, options, tuning); }, floor_step});
+      const auto fwd_pair = time_interleaved(
+          stream, warmup, reps, {[&] { runner.run(problem, nullptr, forward_options, tuning); }, floor_logits});
       const std::string forward_schedule = runner.last_report().schedule.to_string();
-
-      // The floor: the three GEMMs as torch runs them, cuBLAS with bf16 outputs (fp32 compute), no fused work
-      // between them; and, for reference, the same GEMMs with fp32 outputs as the backend's cuBLAS path runs them.
-      Timing floor_fwd, floor_full, f32_fwd, f32_full;
+      const Timing full = full_pair[0], floor_full = full_pair[1], forward = fwd_pair[0], floor_fwd = fwd_pair[1];
+      SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+      cublasDestroy(blas);
+      Timing f32_fwd, f32_full;
       {
-        DeviceBuffer logits(N * ld_v * 4, "floor logits"), dz(N * ld_v * 2, "floor dz"),
-            gx(N * ld_h * 4, "floor grad_x"), gemm_ws(std::size_t{32} << 20, "floor GEMM workspace"),
-            grad_weight(V * ld_h * 4, "floor grad_W");
-        fill_uniform<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), N, V, ld_v, 1e-3f, 4);  // not zeros
-        SIMPO_CUDA_CHECK_LAUNCH();
-        cublasHandle_t blas;
-        SIMPO_CUBLAS_CHECK(cublasCreate(&blas));
-        SIMPO_CUBLAS_CHECK(cublasSetStream(blas, stream));
-        const float one = 1.0f, zero = 0.0f;
-        // Row-major C[m, n] = A B as column-major C^T = B^T A^T; each call says which operand is transposed.
-        auto bf16_gemm = [&](cublasOperation_t op_w, cublasOperation_t op_x, std::int64_t m, std::int64_t n,
-                             std::int64_t k, const void* A, std::int64_t lda, const void* Bm, std::int64_t ldb,
-                             void* C, std::int64_t ldc) {
-          SIMPO_CUBLAS_CHECK(cublasGemmEx(blas, op_w, op_x, int(m), int(n), int(k), &one, A, CUDA_R_16BF, int(lda), Bm,
-                                          CUDA_R_16BF, int(ldb), &zero, C, CUDA_R_16BF, int(ldc), CUBLAS_COMPUTE_32F,
-                                          CUBLAS_GEMM_DEFAULT));
-        };
-        auto floor_logits = [&] {  // logits[N, V] = x W^T
-          bf16_gemm(CUBLAS_OP_T, CUBLAS_OP_N, V, N, ld_h, problem.weight, ld_h, problem.x, ld_h, logits.get(), ld_v);
-        };
-        floor_fwd = time_it(stream, warmup, reps, floor_logits);
-        floor_full = time_it(stream, warmup, reps, [&] {
-          floor_logits();
-          // grad_x[N, H] = dz W
-          bf16_gemm(CUBLAS_OP_N, CUBLAS_OP_N, ld_h, N, V, problem.weight, ld_h, dz.get(), ld_v, gx.get(), ld_h);
-          // grad_W[V, H] = dz^T x
-          bf16_gemm(CUBLAS_OP_N, CUBLAS_OP_T, ld_h, V, N, problem.x, ld_h, dz.get(), ld_v, grad_weight.get(), ld_h);
-        });
-        SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-        cublasDestroy(blas);
         Gemms gemms(stream, gemm_ws.get(), gemm_ws.bytes());
         auto f32_logits = [&] { gemms.logits(N, V, ld_h, problem.x, problem.weight, logits.as<float>(), ld_v); };
         f32_fwd = time_it(stream, warmup, reps, f32_logits);
