@@ -3,7 +3,7 @@ on bench_peers.py's workload (T=1024, H=4096, V=128256, bf16) at one B, under to
 bf16 GEMMs of the floor profiled the same way. Prints, per kernel (CUTLASS and cuBLAS names shortened to what
 they compute), its device time per step and its share; the floor's GEMMs likewise.
 
-    python3 profile_step.py [--B 8] [--steps 3]
+    python3 profile_step.py [--B 8] [--steps 3] [--data normal|uniform]
 
 Why a profiler and not events around each phase: the fused step is one call that enqueues ~15 kernels per chunk;
 the profiler's CUPTI records give each kernel's own device time without changing what runs.
@@ -84,11 +84,23 @@ def main():
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--B", type=int, default=8)
     a.add_argument("--steps", type=int, default=3)
+    a.add_argument("--data", choices=["normal", "uniform"], default="normal",
+                   help="normal: bench_peers.py's inputs; uniform: cuda_bench's (x and W uniform with the same "
+                        "variances, the first tenth of each sequence a prompt of ignored targets)")
     args = a.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(torch.bfloat16)
-    x = torch.randn(args.B, T, H, device="cuda", generator=g).to(torch.bfloat16)
-    t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
+    if args.data == "normal":
+        w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(torch.bfloat16)
+        x = torch.randn(args.B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+        t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
+    else:
+        def uniform(*shape, half_width):
+            return ((torch.rand(*shape, device="cuda", generator=g) * 2 - 1) * half_width).to(torch.bfloat16)
+
+        w = uniform(V, H, half_width=(3.0 * 4.0 / H) ** 0.5)
+        x = uniform(args.B, T, H, half_width=3.0 ** 0.5)
+        t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
+        t[:, : T // 10] = -100
     f = loss_fn("ours")
     xg = x.detach().requires_grad_(True)
     wg = w.detach().requires_grad_(True)
@@ -97,11 +109,12 @@ def main():
         xg.grad, wg.grad = None, None
         f(xg, wg, t).backward()
 
-    print(f"B={args.B} T={T} H={H} V={V}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"B={args.B} T={T} H={H} V={V}, {args.data} inputs, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     show("ours, forward + backward", kernel_times(step, args.steps), timed(step, 5))
     N = args.B * T
     x2 = x.reshape(N, H)
-    dz = torch.randn(N, V, device="cuda", generator=g).to(torch.bfloat16)
+    dz = (torch.randn(N, V, device="cuda", generator=g).to(torch.bfloat16) if args.data == "normal"
+          else uniform(N, V, half_width=1e-3))
     gemms = lambda: (x2 @ w.t(), dz @ w, dz.t() @ x2)  # noqa: E731
     show("floor: the three bf16 GEMMs", kernel_times(gemms, args.steps), timed(gemms, 5))
 

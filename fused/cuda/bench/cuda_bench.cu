@@ -4,6 +4,7 @@
 // above its inputs and outputs. Random inputs (never zeros: they run faster than real data), times are medians
 // of CUDA-event intervals after warm-up, the fused step and its floor timed in turns. Inputs live on the device: no host transfers are timed. Each B also
 // prints one "JSON {...}" line (bench/speed_table.py collects them).
+#include "fused/cuda/bench/kernel_trace.h"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/gemm.h"
@@ -132,6 +133,7 @@ int main(int argc, char** argv) {
   Tuning tuning;
   bool tuned = false;  // false: what fused::Options' default logits_k_slice gives for H on this device
   std::int64_t max_chunk_rows = 0;
+  bool kernels = false;  // --kernels: after each B's row, 3 full steps kernel by kernel (CUPTI, kernel_trace.h)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::int64_t {
@@ -180,6 +182,8 @@ int main(int argc, char** argv) {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.epilogue_stats = a == "--epilogue-stats";
       tuned = true;
+    } else if (a == "--kernels") {
+      kernels = true;
     } else if (a == "--no-hilo" || a == "--hilo-variant") {
       if (!tuned) tuning = tuning_for(H, Options{});
       if (a == "--no-hilo") tuning.hilo_grad_weight = false;
@@ -195,7 +199,7 @@ int main(int argc, char** argv) {
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
                    "                  [--forward-chunk-rows n (0: as the budget allows)] [--epilogue-stats | --no-epilogue-stats] [--gemms-per-part]\n"
-                   "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v]\n"
+                   "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
                    "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
@@ -347,6 +351,14 @@ int main(int argc, char** argv) {
                   (long long)B, floor_fwd.median_ms, forward.median_ms, floor_full.median_ms, full.median_ms,
                   extra / 1048576.0, logits_gemm.c_str(), grad_weight_path.c_str(), (long long)(workspace >> 20),
                   workspace_full / 1048576.0, accumulator / 1048576.0);
+      if (kernels) {
+        SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+        constexpr int steps = 3;
+        KernelTrace trace;
+        for (int i = 0; i < steps; ++i) runner.run(problem, &gradients, options, tuning);
+        trace.stop();
+        trace.print(stdout, steps);
+      }
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

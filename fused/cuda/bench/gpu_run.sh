@@ -2,7 +2,7 @@
 # The cuda backend's GPU session in one call, for a lent GPU machine that has no Eigen/GTest to build with:
 #   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test, cuda_bench,
 #                                                  gemm_accuracy and fused_accuracy_table, a CTest file of the
-#                                                  gpu-labelled tests and libgomp into STAGE
+#                                                  gpu-labelled tests, libgomp and libcupti into STAGE
 #   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all): gemm (gemm_accuracy: the logits
 #                                                  GEMMs' error and speed), ctest (ctest -L gpu), accuracy
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
@@ -24,6 +24,8 @@ if [ "$mode" = stage ]; then
   sed "s|$(realpath "$build")/fused/cuda|@DIR@|g" "$build/fused/cuda/cuda_backend_test[1]_tests.cmake" \
     > "$stage/CTestTestfile.cmake.in" || exit 2
   cp "$(g++ -print-file-name=libgomp.so.1)" "$stage/lib/" || exit 2
+  # CUPTI (cuda_bench --kernels), which the lent machine's loader does not find.
+  cp "$(find /usr/local/cuda/ -name libcupti.so.13 | head -1)" "$stage/lib/" || exit 2
   exit 0
 fi
 
@@ -39,7 +41,8 @@ for lib in libcublasLt.so.13 libcublas.so.13 libcudart.so.13; do
     export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
   fi
 done
-ldd "$stage/cuda_backend_test" | grep -q "libgomp.*not found" && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$stage/lib"
+ldd "$stage/cuda_backend_test" "$stage/cuda_bench" | grep -q "\(libgomp\|libcupti\).*not found" &&
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$stage/lib"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 
 parts=${3:-gemm ctest accuracy bench sanitize}
