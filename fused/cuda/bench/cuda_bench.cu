@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
   bool tuned = false;  // false: what fused::Options' default logits_k_slice gives for H on this device
   std::int64_t max_chunk_rows = 0;
   bool kernels = false;  // --kernels: after each B's row, 3 full steps kernel by kernel (CUPTI, kernel_trace.h)
+  bool block_timing = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::int64_t {
@@ -184,6 +185,8 @@ int main(int argc, char** argv) {
       tuned = true;
     } else if (a == "--kernels") {
       kernels = true;
+    } else if (a == "--block-timing") {
+      block_timing = true;
     } else if (a == "--no-hilo" || a == "--hilo-variant") {
       if (!tuned) tuning = tuning_for(H, Options{});
       if (a == "--no-hilo") tuning.hilo_grad_weight = false;
@@ -199,7 +202,7 @@ int main(int argc, char** argv) {
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
                    "                  [--forward-chunk-rows n (0: as the budget allows)] [--epilogue-stats | --no-epilogue-stats] [--gemms-per-part]\n"
-                   "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels]\n"
+                   "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels] [--block-timing]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
                    "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
@@ -314,10 +317,15 @@ int main(int argc, char** argv) {
       const int fallbacks = runner.last_report().gemm_fallbacks;
       const std::int64_t accumulator = runner.last_report().accumulator_bytes;
       const std::int64_t extra = free_before - free_device_bytes();  // workspace + accumulator + handles
-      const auto full_pair = time_interleaved(
-          stream, warmup, reps, {[&] { runner.run(problem, &gradients, options, tuning); }, floor_step});
-      const auto fwd_pair = time_interleaved(
-          stream, warmup, reps, {[&] { runner.run(problem, nullptr, forward_options, tuning); }, floor_logits});
+      const std::function<void()> fused_step = [&] { runner.run(problem, &gradients, options, tuning); };
+      const std::function<void()> fused_forward = [&] { runner.run(problem, nullptr, forward_options, tuning); };
+      // --block-timing: each body's repetitions back to back (the method before time_interleaved), to compare.
+      const auto full_pair = block_timing ? std::vector<Timing>{time_it(stream, warmup, reps, fused_step),
+                                                                time_it(stream, warmup, reps, floor_step)}
+                                          : time_interleaved(stream, warmup, reps, {fused_step, floor_step});
+      const auto fwd_pair = block_timing ? std::vector<Timing>{time_it(stream, warmup, reps, fused_forward),
+                                                               time_it(stream, warmup, reps, floor_logits)}
+                                         : time_interleaved(stream, warmup, reps, {fused_forward, floor_logits});
       const std::string forward_schedule = runner.last_report().schedule.to_string();
       const Timing full = full_pair[0], floor_full = full_pair[1], forward = fwd_pair[0], floor_fwd = fwd_pair[1];
       SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
