@@ -61,29 +61,6 @@ struct Timing {
   double median_ms = 0, min_ms = 0;
 };
 
-// Median of `reps` event-timed calls of `body` on `stream`, after `warmup` untimed ones.
-Timing time_it(cudaStream_t stream, int warmup, int reps, const std::function<void()>& body) {
-  for (int i = 0; i < warmup; ++i) body();
-  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaEvent_t start, stop;
-  SIMPO_CUDA_CHECK(cudaEventCreate(&start));
-  SIMPO_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    SIMPO_CUDA_CHECK(cudaEventRecord(start, stream));
-    body();
-    SIMPO_CUDA_CHECK(cudaEventRecord(stop, stream));
-    SIMPO_CUDA_CHECK(cudaEventSynchronize(stop));
-    float elapsed = 0;
-    SIMPO_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-    ms.push_back(elapsed);
-  }
-  SIMPO_CUDA_CHECK(cudaEventDestroy(start));
-  SIMPO_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.front()};
-}
-
 // Medians of `reps` event-timed calls of each body, the bodies taking turns (a, b, a, b, ...) after `warmup`
 // untimed rounds: the fused step and its floor then see the same clocks and temperature, which drift over a
 // run by more than the differences measured (the same floor read 8.07 and 8.76 ms a minute apart in one call).
@@ -115,6 +92,11 @@ std::vector<Timing> time_interleaved(cudaStream_t stream, int warmup, int reps,
     out.push_back({m[m.size() / 2], m.front()});
   }
   return out;
+}
+
+// Median of `reps` event-timed calls of `body` on `stream`, after `warmup` untimed ones.
+Timing time_it(cudaStream_t stream, int warmup, int reps, const std::function<void()>& body) {
+  return time_interleaved(stream, warmup, reps, {body})[0];
 }
 
 std::int64_t free_device_bytes() {
