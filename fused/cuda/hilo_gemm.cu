@@ -64,27 +64,7 @@ struct Residual {
   }
 };
 
-// The epilogue's tile and stages: the builder's (LoadStages = 0), or LoadStages buffers for each of the two loads
-// (C and hi) and LoadStages - 1 for the stores (D reuses C's). Why: with its 128x32 epilogue tile the builder gives
-// each bf16 load four stages, 80 KiB in all, which leaves a 128x256x64 mainloop three stages of 48 KiB; a 128x16
-// tile (a cooperative epilogue tile has 128 rows) with three load stages takes 32 KiB and leaves it four. (What the aux load/store descriptors read of it:
-// EpilogueTile, StagesC, StagesD.)
-template <class TileShape, class EpilogueTileType, class EpilogueSchedule, int LoadStages>
-struct HiLoEpilogueDescriptor {
-  using Builder = cutlass::epilogue::collective::detail::EpilogueDescriptor<
-      TileShape, EpilogueTileType, cutlass::bfloat16_t, cutlass::bfloat16_t, EpilogueSchedule>;
-  using EpilogueTile = typename Builder::EpilogueTile;
-  using DispatchPolicy = cute::conditional_t<
-      LoadStages == 0, typename Builder::DispatchPolicy,
-      cutlass::epilogue::Sm90TmaWarpSpecialized<cute::max(LoadStages, 2), cute::max(LoadStages, 2) - 1,
-                                                Builder::DispatchPolicy::FragmentSize, /*ReuseSmemC=*/true,
-                                                /*DelayTmaStore=*/false>>;
-  constexpr static int StagesC = DispatchPolicy::StagesC;
-  constexpr static int StagesD = DispatchPolicy::StagesD;
-};
-
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          class EpilogueTileType = cutlass::epilogue::collective::EpilogueTileAuto, int EpilogueStagesC = 0>
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct HiLoGemm {
   using Element = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::ColumnMajor;  // dz^T [M = V, K = rows]: m contiguous (a row of dz)
@@ -92,7 +72,8 @@ struct HiLoGemm {
   using LayoutW = cutlass::layout::RowMajor;     // hi, lo [V, ld_w]
   using StrideW = cutlass::detail::TagToStrideC_t<LayoutW>;
 
-  using Descriptor = HiLoEpilogueDescriptor<TileShape, EpilogueTileType, EpilogueSchedule, EpilogueStagesC>;
+  using Descriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, EpilogueSchedule>;
   using HiLoadDescriptor = cutlass::epilogue::collective::detail::AuxLoadDescriptor<Descriptor, LayoutW, Element>;
   using HiStoreDescriptor = cutlass::epilogue::collective::detail::AuxStoreDescriptor<Descriptor, LayoutW, Element>;
   using HiLoad = fusion::Sm90AuxLoad<HiLoadDescriptor::Stages, typename Descriptor::EpilogueTile, Element,
@@ -108,9 +89,10 @@ struct HiLoGemm {
   using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<Residual, Element, float, kRound>,
                                     fusion::Sm90EVT<HiStore, Sum>>;
 
-  using Epilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-      TileShape, typename Descriptor::EpilogueTile, float, float, Element, LayoutW, 8, Element, LayoutW, 8, Callbacks,
-      typename Descriptor::DispatchPolicy>::CollectiveOp;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutW, 8, Element, LayoutW, 8,
+      EpilogueSchedule, Callbacks>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
       TileShape, ClusterShape,
@@ -192,17 +174,10 @@ using Pingpong64x256 =
 using Pingpong128x128 =
     HiLoGemm<cute::Shape<_128, _128, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
              cutlass::epilogue::TmaWarpSpecialized>;
-// The default's tile with a 128x16 epilogue tile of three load stages: four mainloop stages instead of three.
-using Cooperative128x256Stages4 =
-    HiLoGemm<cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-             cutlass::epilogue::TmaWarpSpecializedCooperative, cute::Shape<_128, _16>, 3>;
-// The same with a 2x1 cluster: the two CTAs of a cluster share each x tile (TMA multicast), halving its reads.
-using Cooperative128x256Stages4Cluster2 =
-    HiLoGemm<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-             cutlass::epilogue::TmaWarpSpecializedCooperative, cute::Shape<_128, _16>, 3>;
-
-constexpr const char* kNames[] = {"128x256x64 cooperative", "64x256x64 ping-pong", "128x128x64 ping-pong",
-                                  "128x256x64 cooperative, 4 stages", "128x256x64 cooperative, 4 stages, cluster 2x1"};
+// Measured on the H200 (BENCHMARKS.md, fourth round): the ping-pong tiles level with or behind the default; a
+// 128x16 epilogue tile with four mainloop stages, with or without a 2x1 cluster, 3-4 ms behind at B = 16 (commit
+// 125f843 has them).
+constexpr const char* kNames[] = {"128x256x64 cooperative", "64x256x64 ping-pong", "128x128x64 ping-pong"};
 
 template <class F>
 decltype(auto) dispatch(int variant, F&& f) {
@@ -210,8 +185,6 @@ decltype(auto) dispatch(int variant, F&& f) {
     case 0: return f(Cooperative128x256{});
     case 1: return f(Pingpong64x256{});
     case 2: return f(Pingpong128x128{});
-    case 3: return f(Cooperative128x256Stages4{});
-    case 4: return f(Cooperative128x256Stages4Cluster2{});
   }
   throw CudaError("hi/lo weight GEMM: no variant " + std::to_string(variant));
 }
