@@ -29,13 +29,14 @@ cudaMemPool_t default_pool() {
   static std::mutex mutex;
   static std::set<int> configured;
   const std::lock_guard lock(mutex);
-  if (configured.insert(device).second) {
+  if (!configured.count(device)) {
     std::uint64_t threshold = 0;
     SIMPO_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
     if (threshold < pool_retained_bytes) {
       threshold = pool_retained_bytes;
       SIMPO_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
     }
+    configured.insert(device);  // only once it is set: a failed call is tried again next time
   }
   return pool;
 }
