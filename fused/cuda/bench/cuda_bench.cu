@@ -2,8 +2,9 @@
 // forward-only and forward+backward times against the floor measured in the same run: the same GEMMs through
 // cuBLAS with bf16 outputs, as torch runs them (1 GEMM for the forward, 3 for forward+backward); the peak device memory the fused step takes
 // above its inputs and outputs. Random inputs (never zeros: they run faster than real data), times are medians
-// of CUDA-event intervals after warm-up, the fused step and its floor timed in turns. Inputs live on the device: no host transfers are timed. Each B also
-// prints one "JSON {...}" line (bench/speed_table.py collects them).
+// of CUDA-event intervals after warm-up, the fused step and its floor timed in turns. Inputs live on the device:
+// no host transfers are timed. Each B also prints one "JSON {...}" line (bench/speed_table.py collects them);
+// --kernels adds the step kernel by kernel (CUPTI, bench/kernel_trace.h).
 #include "fused/cuda/bench/kernel_trace.h"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
