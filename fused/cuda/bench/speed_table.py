@@ -78,6 +78,7 @@ def main():
         ax.plot(B, [floors[b]["floor_full_ms"] for b in B], "k--", label="floor: 3 bf16 cuBLAS GEMMs")
         ax.plot(B, [1.15 * floors[b]["floor_full_ms"] for b in B], "k:", label="bar: 1.15x floor")
         ax.plot(B, [floors[b]["floor_fwd_ms"] for b in B], "--", color="gray", label="floor: 1 GEMM")
+        ax.plot(B, [1.10 * floors[b]["floor_fwd_ms"] for b in B], ":", color="gray", label="bar: 1.10x floor (forward)")
         for i, (text, rs) in enumerate(series):
             tag = "" if len(series) == 1 else " [" + (text or first) + "]"
             ax.plot([r["B"] for r in rs], [r["fused_full_ms"] for r in rs], "o-", label="fused full step" + tag)
