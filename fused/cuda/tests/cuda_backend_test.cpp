@@ -393,12 +393,16 @@ TEST(CudaBackendRunners, ThePoolReleaseThresholdIsRaisedNeverLowered) {
   SKIP_WITHOUT_DEVICE();
   cudaMemPool_t pool = nullptr;
   ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  std::uint64_t before = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &before), cudaSuccess);
   std::uint64_t threshold = std::uint64_t{16} << 30;
   ASSERT_GT(threshold, cuda::pool_retained_bytes);
   ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), cudaSuccess);
   cuda::compute(generate(spec_of(feature_shape, 2.0, 71)), cuda_options());
   std::uint64_t after = 0;
   ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &after), cudaSuccess);
+  // The pool back as it was, for the tests after this one in the same process.
+  cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &before);
   EXPECT_EQ(after, threshold);
 }
 
