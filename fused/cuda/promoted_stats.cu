@@ -1,10 +1,11 @@
 // The promoted logits GEMM with the row statistics in its epilogue (promoted_stats.h). The mainloop is
 // promoted_gemm.cu's default (128x192x64 tile, cluster 1x1, CUTLASS's FP8-style promotion with bf16 operands);
-// the epilogue is CUTLASS's TMA warp-specialized one with an epilogue visitor tree: AccFetch -> RowStats, the
-// node below, written after CUTLASS's Sm90ColReduction (a per-row reduction along N): each thread folds the
-// logits it holds into per-row registers (online max and sum of exp, a sum, the target logit), the lanes
-// sharing a row merge by shuffles, and one lane per row writes the tile's partials. The logits pass through
-// unchanged to the fp32 TMA store, or to no store at all (ElementD = void) for the forward.
+// the epilogue is CUTLASS's TMA warp-specialized one, entered through StatsEpilogue, which first reduces each
+// row of the accumulator tile in registers (a max, then one exp per logit against it, a sum; the four lanes
+// sharing a row merge by shuffles; one lane per row writes the tile's partials) and then runs CUTLASS's store
+// of the fp32 logits, or no store at all (ElementD = void) for the forward. The first version reduced inside
+// an epilogue visitor node, one fragment at a time with an online (branching) max: slower than storing the
+// logits and reading them back (BENCHMARKS.md, second round).
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_stats.h"
@@ -34,11 +35,10 @@ using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 namespace m = ::simpo::fused::math;
 
-// The visitor node. Its input is the accumulator fragment (AccFetch), returned unchanged. Registers: per
-// thread, one (max, sum of exp, sum, target column) per row it holds, as Sm90ColReduction keeps them: a
-// register tensor shaped like the thread's partition of the tile with stride 0 along N, so every element of a
-// row folds into the same registers whatever the epilogue subtile.
-struct RowStats {
+// Where the statistics go, carried to the epilogue as the arguments of a pass-through visitor node (the
+// accumulator reaches the store, or no store, unchanged): the work is done in StatsEpilogue::store below, on
+// the whole accumulator tile at once, before CUTLASS's epilogue loop.
+struct StatsArguments {
   using ElementAux = float;  // lets the void-D epilogue builder name its (unused) output type
   struct SharedStorage {};
   using Arguments = LogitTileStats;
@@ -62,150 +62,145 @@ struct RowStats {
                                               cutlass::CudaHostAdapter* = nullptr) {
     return cutlass::Status::kSuccess;
   }
-
   CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
   CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  CUTLASS_HOST_DEVICE RowStats() {}
-  CUTLASS_HOST_DEVICE RowStats(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;
+  CUTLASS_HOST_DEVICE StatsArguments() {}
+  CUTLASS_HOST_DEVICE StatsArguments(Params const& params, SharedStorage const&) : params(params) {}
+  Params params;  // not empty: CuTe hands an empty tuple element out by value, the visitor wants a reference
 
   template <class... Args>
   CUTLASS_DEVICE auto get_producer_load_callbacks(fusion::detail::ProducerLoadArgs<Args...> const&) {
     return fusion::detail::EmptyProducerLoadCallbacks{};
   }
-
-  template <class ArgsTuple>
   struct ConsumerStoreCallbacks : fusion::detail::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(ArgsTuple&& args_tuple, Params const& params)
-        : args_tuple(cute::forward<ArgsTuple>(args_tuple)), params(params) {}
-    ArgsTuple args_tuple;
-    Params const& params;
-
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int, int, int,
                               cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      auto& [r_max, r_sum_exp, r_sum, r_target, tCcD, residue_tCcD, base_m, base_n, lane_layout_MN, lane_mn, cD,
-             residue_cD, n_tile, M] = args_tuple;
-      auto max_mn = r_max(_, _, _, epi_m, epi_n);
-      auto sum_exp_mn = r_sum_exp(_, _, _, epi_m, epi_n);
-      auto sum_mn = r_sum(_, _, _, epi_m, epi_n);
-      auto target_mn = r_target(_, _, _, epi_m, epi_n);
-      auto c_mn = tCcD(_, _, _, epi_m, epi_n);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        const int idx = epi_v * FragmentSize + i;
-        const auto coord = c_mn(idx);
-        if (elem_less(coord, residue_tCcD)) {
-          const int n = base_n + static_cast<int>(get<1>(coord));
-          float z = static_cast<float>(frg_input[i]);
-          if (params.bias != nullptr) z += __bfloat162float(params.bias[n]);
-          const m::LogSumExp<float> s = m::lse_add(m::LogSumExp<float>{max_mn(idx), sum_exp_mn(idx)}, z);
-          max_mn(idx) = s.max;
-          sum_exp_mn(idx) = s.sum;
-          sum_mn(idx) += z;
-          // One element of the whole grid matches a row's target: a single writer.
-          if (n == target_mn(idx)) params.z_target[base_m + static_cast<int>(get<0>(coord))] = z;
-        }
-      }
       return frg_input;
     }
-
-    template <class STensor, class SyncFn, class VTensor>
-    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration, VTensor) {
-      if (!is_last_iteration) return;
-      auto& [r_max, r_sum_exp, r_sum, r_target, tCcD, residue_tCcD, base_m, base_n, lane_layout_MN, lane_mn, cD,
-             residue_cD, n_tile, M] = args_tuple;
-      if (!elem_less(cD(_0{}, _0{}), residue_cD)) return;  // a tile wholly past the problem
-
-      auto max_flt = filter_zeros(r_max);
-      auto sum_exp_flt = filter_zeros(r_sum_exp);
-      auto sum_flt = filter_zeros(r_sum);
-      auto c_flt = make_tensor(tCcD.data(), make_layout(max_flt.shape(), tCcD.stride()));
-      const bool writer = get<1>(lane_mn) == 0;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(max_flt); ++i) {
-        m::LogSumExp<float> s{max_flt(i), sum_exp_flt(i)};
-        double total = sum_flt(i);
-        // The lanes holding the same rows (along N) merge by shuffles; lane column 0 ends with the row's.
-        CUTLASS_PRAGMA_UNROLL
-        for (int lanes = size<1>(lane_layout_MN) / 2; lanes > 0; lanes /= 2) {
-          const int delta = lane_layout_MN(_0{}, lanes);
-          const m::LogSumExp<float> other{__shfl_down_sync(0xffffffffu, s.max, delta),
-                                          __shfl_down_sync(0xffffffffu, s.sum, delta)};
-          total += __shfl_down_sync(0xffffffffu, total, delta);
-          s = m::lse_merge(s, other);
-        }
-        const int row = base_m + static_cast<int>(get<0>(c_flt(i)));
-        if (writer && row < M) {
-          const std::int64_t at = static_cast<std::int64_t>(n_tile) * params.ld + row;
-          params.tile_max[at] = s.max;
-          params.tile_sum_exp[at] = s.sum;
-          params.tile_sum[at] = total;
-        }
-      }
-    }
   };
-
   template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<Args...> const& args) {
-    // The lanes that share rows, as Sm90ColReduction finds them.
-    auto ref_layout_MN = [&]() {
-      auto mn_shape = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
-      if constexpr (ReferenceSrc) return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(mn_shape);
-      else return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(mn_shape);
-    }();
-    using W = Int<decltype(args.tiled_copy)::TiledNumThr::value / cutlass::NumThreadsPerWarp>;
-    auto tv2lane = cute::Layout<cute::Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, cute::Stride<_1, _0, _0>>{};
-    auto ref2lane = composition(tv2lane, ref_layout_MN);
-    auto lane_layout_MN = make_layout(filter(get<0>(ref2lane)), filter(get<1>(ref2lane)));
-    auto inv_lane_layout_MN = right_inverse(lane_layout_MN);
-    const int lane_idx = cutlass::canonical_lane_idx();
-    auto lane_mn = idx2crd(inv_lane_layout_MN(lane_idx), shape(lane_layout_MN));
-    // Every row of a warp's part of the tile is whole inside that warp (the wgmma accumulator layout): no
-    // reduction across warps is needed, so none is written.
-    auto tv2warp = cute::Layout<cute::Shape<Int<cutlass::NumThreadsPerWarp>, W, _1>, cute::Stride<_0, _1, _0>>{};
-    auto ref2warp = composition(tv2warp, ref_layout_MN);
-    auto warp_layout_MN = make_layout(filter(get<0>(ref2warp)), filter(get<1>(ref2warp)));
-    static_assert(decltype(size<1>(warp_layout_MN))::value == 1, "RowStats: a row spans several warps");
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<Args...> const&) {
+    return ConsumerStoreCallbacks{};
+  }
+};
 
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto [m, n, k, l] = args.tile_coord_mnkl;
-    // A stand-in (M, N) tensor with stride 0 along N: only its partition's shape is used (never dereferenced).
-    auto mRow = make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
-                              make_layout(make_shape(M, N), make_stride(_1{}, _0{})));
-    auto gRow = local_tile(mRow, take<0, 2>(args.tile_shape_mnk), make_coord(m, n));
-    auto tCgRow = fusion::detail::sm90_partition_for_epilogue<ReferenceSrc>(gRow, args.epi_tile, args.tiled_copy,
-                                                                              args.thread_idx);
-    auto r_max = make_tensor_like<float>(tCgRow);
-    auto r_sum_exp = make_tensor_like<float>(tCgRow);
-    auto r_sum = make_tensor_like<float>(tCgRow);
-    auto r_target = make_tensor_like<int>(tCgRow);
-    fill(r_max, -INFINITY);
-    fill(r_sum_exp, 0.0f);
-    fill(r_sum, 0.0f);
+// CUTLASS's TMA warp-specialized epilogue with the row statistics taken first, straight from the accumulator
+// registers in the wgmma layout: a thread holds two rows (r, r + 8) of its warpgroup's 64-row slab, the same
+// TileN / 4 columns of each, and the quad of lanes sharing those rows holds all TileN. Per row: the max of the
+// thread's logits, a quad max by shuffles, then one exp per logit against that max, a sum of exp and a sum of
+// z, merged across the quad; no per-logit branch, no online rescaling, and the coordinates are constants added
+// to one base. The visitor loop of CUTLASS's store then stores the fp32 logits unchanged, or nothing (void D).
+template <class Base>
+struct StatsEpilogue : Base {
+  LogitTileStats stats;
+  CUTLASS_HOST_DEVICE StatsEpilogue(typename Base::Params const& params, typename Base::TensorStorage& storage)
+      : Base(params, storage), stats(params.thread.op_1) {}
 
-    // tCcD holds coordinates relative to this thread's first element; residue_tCcD = (M, N) minus that
-    // element's absolute coordinate, which gives the absolute one back.
-    const int base_m = static_cast<int>(M) - static_cast<int>(get<0>(args.residue_tCcD));
-    const int base_n = static_cast<int>(N) - static_cast<int>(get<1>(args.residue_tCcD));
-    auto target_flt = filter_zeros(r_target);
-    auto c_flt = make_tensor(args.tCcD.data(), make_layout(target_flt.shape(), args.tCcD.stride()));
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemShapeMNKL,
+            class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state, StorePipeline store_pipeline,
+                            StoreState store_state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                            TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
+                            TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared_tensors,
+                            int subtile_idx = -1) {
+    row_statistics(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx);
+    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
+                       tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors, subtile_idx);
+  }
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
+  CUTLASS_DEVICE void row_statistics(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                                     TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
+                                     int thread_idx) {
+    // acc: ((2 columns, 2 rows, TileN / 8 column groups), MMA_M, MMA_N), wgmma's F32 accumulator layout.
+    static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
+                      decltype(size<0, 1>(acc))::value == 2,
+                  "StatsEpilogue: not the wgmma accumulator layout");
+    constexpr int kGroups = decltype(size<0, 2>(acc))::value;
+    constexpr int kMmaM = decltype(size<1>(acc))::value, kMmaN = decltype(size<2>(acc))::value;
+    constexpr int kTileN = decltype(size<1>(tile_shape_MNK))::value;
+    auto [M, N, K, L] = problem_shape_mnkl;
+    auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
+    const int m0 = static_cast<int>(m_tile) * decltype(size<0>(tile_shape_MNK))::value;
+    const int n0 = static_cast<int>(n_tile) * kTileN;
+    // (row, column) of every accumulator inside the tile.
+    auto coords = tiled_mma.get_thread_slice(thread_idx)
+                      .partition_C(make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK))));
+    const bool whole_columns = n0 + kTileN <= static_cast<int>(N);  // edge tiles mask columns >= N
+    const __nv_bfloat16* bias = stats.bias;
+    const bool writer = (thread_idx % 4) == 0;
+
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(target_flt); ++i) {
-      const int row = base_m + static_cast<int>(get<0>(c_flt(i)));
-      int column = -1;  // never matches: rows past M, ignored rows
-      if (row < static_cast<int>(M)) {
-        const std::int64_t t = params.target[row];
-        if (t != params.ignore_index) column = static_cast<int>(t);
-      }
-      target_flt(i) = column;
-    }
+    for (int mm = 0; mm < kMmaM; ++mm) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        auto at = [&](int c, int g, int mn) { return make_coord(make_coord(c, r, g), mm, mn); };
+        const int row = m0 + static_cast<int>(get<0>(coords(at(0, 0, 0))));
+        // Loaded first: its latency hides behind the two passes.
+        const std::int64_t t = row < static_cast<int>(M) ? stats.target[row] : stats.ignore_index;
+        auto logit = [&](int c, int g, int mn, int& column) {
+          column = n0 + static_cast<int>(get<1>(coords(at(c, g, mn))));
+          float z = acc(at(c, g, mn));
+          if (bias != nullptr) z += __bfloat162float(bias[column < static_cast<int>(N) ? column : 0]);
+          return z;
+        };
+        float row_max = -INFINITY;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mn = 0; mn < kMmaN; ++mn)
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < kGroups; ++g)
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < 2; ++c) {
+              int column;
+              const float z = logit(c, g, mn, column);
+              if (whole_columns || column < static_cast<int>(N)) row_max = fmaxf(row_max, z);
+            }
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
 
-    auto args_tuple = make_tuple(cute::move(r_max), cute::move(r_sum_exp), cute::move(r_sum), cute::move(r_target),
-                                 args.tCcD, args.residue_tCcD, base_m, base_n, lane_layout_MN, lane_mn, args.cD,
-                                 args.residue_cD, static_cast<int>(n), static_cast<int>(M));
-    return ConsumerStoreCallbacks<decltype(args_tuple)>(cute::move(args_tuple), params);
+        float sum_exp = 0.0f, sum = 0.0f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mn = 0; mn < kMmaN; ++mn)
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < kGroups; ++g)
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < 2; ++c) {
+              int column;
+              const float z = logit(c, g, mn, column);
+              if (whole_columns || column < static_cast<int>(N)) {
+                sum_exp += m::exp_(z - row_max);
+                sum += z;
+              }
+            }
+        double total = sum;
+        sum_exp += __shfl_xor_sync(0xffffffffu, sum_exp, 1);
+        sum_exp += __shfl_xor_sync(0xffffffffu, sum_exp, 2);
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (row >= static_cast<int>(M)) continue;
+
+        // The target logit: one tile in the whole grid holds it, one thread of that tile writes it.
+        if (t != stats.ignore_index && t >= n0 && t < n0 + kTileN) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int mn = 0; mn < kMmaN; ++mn)
+            CUTLASS_PRAGMA_UNROLL
+            for (int g = 0; g < kGroups; ++g)
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < 2; ++c) {
+                int column;
+                const float z = logit(c, g, mn, column);
+                if (column == t) stats.z_target[row] = z;
+              }
+        }
+        if (writer) {
+          const std::int64_t i = static_cast<std::int64_t>(n_tile) * stats.ld + row;
+          stats.tile_max[i] = row_max;
+          stats.tile_sum_exp[i] = sum_exp;
+          stats.tile_sum[i] = total;
+        }
+      }
+    }
   }
 };
 
@@ -219,12 +214,13 @@ struct StatsGemm {
   using LayoutD = cutlass::layout::RowMajor;
   using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using ElementD = cute::conditional_t<kStoreLogits, float, void>;
-  using Callbacks = fusion::Sm90EVT<RowStats, fusion::Sm90AccFetch>;
+  using Callbacks = fusion::Sm90EVT<StatsArguments, fusion::Sm90AccFetch>;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 4, ElementD, LayoutD, 4,
       cutlass::epilogue::TmaWarpSpecializedCooperative, Callbacks>::CollectiveOp;
+  using Epilogue = StatsEpilogue<StockEpilogue>;
 
   using Plain = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
