@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace simpo::fused::cuda {
@@ -57,8 +58,15 @@ struct RunReport {
   int gemm_fallbacks = 0;            // GEMMs that went to cublasGemmEx instead of cuBLASLt
   // Where grad_W accumulated, and the bytes of the accumulator the runner allocated for it (kept across runs, like
   // the workspace): lo of the hi/lo pair (V*H*2), or an fp32 one (V*ld_h*4) when the caller gave none.
-  enum class GradWeight { none, f32_output, f32_caller, f32_own, hilo } grad_weight = GradWeight::none;
+  // sliced: the low-memory schedule writes each vocabulary slice of the output once (no grad_W accumulator;
+  // accumulator_bytes is then its fp32 grad_x accumulator, N * ld_h * 4).
+  enum class GradWeight { none, f32_output, f32_caller, f32_own, hilo, sliced } grad_weight = GradWeight::none;
   std::int64_t accumulator_bytes = 0;
+  // The low-memory schedule (Tuning::low_memory): > 0 when it ran, the columns of its vocabulary slices; the
+  // `schedule` above is then its statistics pass (forward_only chunks of token rows).
+  std::int64_t vocab_slice_columns = 0;
+  std::int64_t vocab_slices = 0;
+  std::string to_string() const;  // the schedule, and the slices when there are any
 };
 
 // How the logits GEMM runs. cuda::compute(problem, options) takes it from options (tuning_for); the
@@ -92,6 +100,13 @@ struct Tuning {
   // everywhere (for comparing). hilo_variant: hilo_gemm.h's compiled tile/schedule.
   bool hilo_grad_weight = true;
   int hilo_variant = 0;
+  // The low-memory schedule (fused_runner.cu, README "The low-memory schedule"): the statistics first, from the
+  // logits GEMM's epilogue over token chunks (no logits stored), the pair math, then the backward one slice of
+  // the vocabulary at a time over all rows (the slice's logits recomputed, dz, its grad_W rows written once,
+  // grad_x summed into an fp32 accumulator). It needs the epilogue statistics (sm_90 with CUTLASS, V % 4 == 0).
+  // automatic: where it can run and the budget cannot hold one pair's rows (the two_pass fallback's case);
+  // always: wherever it can run; never: the two_pass fallback.
+  enum class LowMemory { automatic, always, never } low_memory = LowMemory::automatic;
 };
 // The default for a device and H: promoted every logits_k_slice (rounded to the k tile) where
 // promoted_logits_available(), else that many cuBLAS slices; logits_k_slice = 0 is one cuBLAS GEMM anywhere.
@@ -118,9 +133,14 @@ class FusedRunner {
   void release_workspace();
 
  private:
+  RowStats run_low_memory(const DeviceProblem&, const DeviceGradients&, const Options&, const Tuning&);
+  char* allocate_workspace(std::int64_t total, std::int64_t gemm_offset, std::int64_t gemm_bytes);
+  void allocate_accumulator(std::size_t bytes, const char* purpose);
+  RowStats download_row_stats(std::int64_t N, const float* lse, const float* z_target, const double* rowsum);
+
   cudaStream_t stream_ = nullptr;
   DeviceBuffer workspace_;
-  DeviceBuffer accumulator_;  // lo of the hi/lo pair, or an fp32 grad_W accumulator (RunReport::accumulator_bytes)
+  DeviceBuffer accumulator_;  // lo of the hi/lo pair, an fp32 grad_W or grad_x accumulator (RunReport::accumulator_bytes)
   std::unique_ptr<Gemms> gemms_;
   std::int64_t gemm_bytes_ = 0;  // the cuBLASLt scratch gemms_ was made with
   RunReport report_;

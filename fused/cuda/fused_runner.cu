@@ -75,7 +75,50 @@ void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool grad
   l.total = at;
 }
 
+// The low-memory schedule's workspace (Tuning::low_memory): the fixed part as above (with the epilogue
+// statistics' raw target logits), then one region used twice. The statistics pass holds there the epilogue's
+// tile partials for chunks of `stat_rows` token rows; the backward then holds one vocabulary slice of
+// `slice_columns` columns: its fp32 logits for all N rows (dz written in place) and, when no fp32 grad_weight is
+// given to write into, the slice's fp32 grad_W rows. Columns come in multiples of 192: whole tiles of the
+// promoted GEMM (a partial tile costs a whole one), which also keeps every slice start 16-byte aligned for the
+// bias loads and the fp32 store's groups of 4 whole.
+struct SlicedLayout {
+  Layout fixed;
+  std::int64_t stat_rows = 0, slice_columns = 0;
+  std::int64_t tile_max = 0, tile_sum_exp = 0, tile_sum = 0;  // statistics pass
+  std::int64_t logits = 0, grad_w_slice = 0;                    // backward
+  std::int64_t total = 0;
+  bool fits() const { return stat_rows > 0 && slice_columns > 0; }
+};
+
+SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t tiles, bool grad_w_slice) {
+  SlicedLayout l;
+  l.fixed = fixed_layout(s, budget, /*gradients=*/true, tiles);
+  const std::int64_t N = s.N(), ld_h = padded(s.H);
+  const std::int64_t start = l.fixed.fixed - 6 * kAlign, region = budget - l.fixed.fixed;
+  if (region <= 0) return l;
+  l.stat_rows = std::min(N, region / (tiles * 16));
+  const std::int64_t per_column = N * 4 + (grad_w_slice ? ld_h * 4 : 0);
+  l.slice_columns = std::min((s.V + 191) / 192 * 192, region / per_column / 192 * 192);
+  if (!l.fits()) return l;
+  l.tile_max = start;
+  l.tile_sum_exp = l.tile_max + align_up(tiles * l.stat_rows * 4);
+  l.tile_sum = l.tile_sum_exp + align_up(tiles * l.stat_rows * 4);
+  const std::int64_t end_stats = l.tile_sum + align_up(tiles * l.stat_rows * 8);
+  l.logits = start;
+  l.grad_w_slice = l.logits + align_up(N * l.slice_columns * 4);
+  const std::int64_t end_slice = l.grad_w_slice + align_up(grad_w_slice ? l.slice_columns * ld_h * 4 : 0);
+  l.total = std::max(end_stats, end_slice);
+  return l;
+}
+
 }  // namespace
+
+std::string RunReport::to_string() const {
+  if (vocab_slice_columns == 0) return schedule.to_string();
+  return "low-memory: statistics in " + schedule.to_string() + ", then " + std::to_string(vocab_slices) +
+         " vocabulary slices of <= " + std::to_string(vocab_slice_columns) + " columns over all rows";
+}
 
 FusedRunner::FusedRunner() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
 
@@ -91,6 +134,37 @@ void FusedRunner::release_workspace() {
   accumulator_ = DeviceBuffer();
 }
 
+// One allocation for all scratch, reused across runs of the same size; the cuBLAS handles are made once.
+char* FusedRunner::allocate_workspace(std::int64_t total, std::int64_t gemm_offset, std::int64_t gemm_bytes) {
+  if (!gemms_ || workspace_.bytes() != static_cast<std::size_t>(total) || gemm_bytes != gemm_bytes_) {
+    workspace_ = DeviceBuffer();  // free the old one first: peak memory is one workspace, never two
+    workspace_ = DeviceBuffer(static_cast<std::size_t>(total), "the fused workspace", stream_);
+    void* gemm_scratch = workspace_.as<char>() + gemm_offset;
+    if (gemms_) gemms_->set_workspace(gemm_scratch, static_cast<std::size_t>(gemm_bytes));
+    else gemms_ = std::make_unique<Gemms>(stream_, gemm_scratch, static_cast<std::size_t>(gemm_bytes));
+    gemm_bytes_ = gemm_bytes;
+  }
+  return workspace_.as<char>();
+}
+
+// The runner's own buffer for an accumulator, kept across runs of the same size.
+void FusedRunner::allocate_accumulator(std::size_t bytes, const char* purpose) {
+  if (accumulator_.bytes() == bytes) return;
+  accumulator_ = DeviceBuffer();
+  accumulator_ = DeviceBuffer(bytes, purpose, stream_);
+}
+
+RowStats FusedRunner::download_row_stats(std::int64_t N, const float* lse, const float* z_target,
+                                         const double* rowsum) {
+  RowStats stats(N);
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.lse.data(), lse, N * 4, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.z_target.data(), z_target, N * 4, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.rowsum.data(), rowsum, N * 8, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  report_.gemm_fallbacks = gemms_->fallback_calls();
+  return stats;
+}
+
 RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, const Options& options,
                           const Tuning& tuning) {
   const Shape& s = p.shape;
@@ -99,6 +173,33 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   const std::int64_t ld_v = padded(V), ld_h = p.ld_h;
   const bool gradients = g != nullptr;
   if (ld_h != padded(H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
+  if (g && !g->grad_weight_bf16 && !g->grad_weight)
+    throw CudaError("DeviceGradients: neither grad_weight nor grad_weight_bf16 is set");
+
+  // The plan of fused/schedule.h for the rows this backend's layout fits in options.workspace_bytes (padded
+  // rows, fixed scratch first), unless the low-memory schedule takes the run.
+  const std::int64_t budget = options.workspace_bytes;
+  const bool epilogue_stats_run = tuning.logits == Tuning::Logits::promoted && V % 4 == 0 &&
+                                  tuning.promoted.variant == 0 && promoted_stats_available();
+  auto layout_for = [&](bool with_epilogue_stats) {
+    return fixed_layout(s, std::max<std::int64_t>(budget, 0), gradients,
+                        with_epilogue_stats ? promoted_stats_tiles(V) : 0);
+  };
+  auto rows_fitting = [&](const Layout& l) { return budget > l.fixed ? (budget - l.fixed) / l.per_row : 0; };
+  // Tight budgets (Tuning::low_memory): below one pair's rows, the backward goes a vocabulary slice at a time
+  // and the forward stores no logits (the epilogue statistics need 16 bytes per row and tile, not 4 per logit).
+  const bool low_memory = epilogue_stats_run && tuning.low_memory != Tuning::LowMemory::never &&
+                          (tuning.low_memory == Tuning::LowMemory::always ||
+                           rows_fitting(layout_for(tuning.epilogue_stats)) < 2 * T);
+  report_.vocab_slice_columns = report_.vocab_slices = 0;
+  if (gradients && low_memory) {
+    const SlicedLayout sliced = sliced_layout(s, std::max<std::int64_t>(budget, 0), promoted_stats_tiles(V),
+                                              /*grad_w_slice=*/g->grad_weight == nullptr);
+    if (sliced.fits()) return run_low_memory(p, *g, options, tuning);
+  }
+  const bool epilogue_stats = epilogue_stats_run && (tuning.epilogue_stats || (!gradients && low_memory));
+  Layout layout = layout_for(epilogue_stats);
+  const std::int64_t rows_that_fit = rows_fitting(layout);
 
   // Where grad_W accumulates (device_fused.h, DeviceGradients): the caller's fp32 output; with a bf16 output, the
   // hi/lo pair (hi: that output, lo: this runner's bf16 buffer) where the hi/lo GEMM runs and H % 8 == 0 (its TMA
@@ -109,15 +210,11 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   __nv_bfloat16 *hi = nullptr, *lo = nullptr;
   if (g) {
     if (!g->grad_weight_bf16) {
-      if (!g->grad_weight) throw CudaError("DeviceGradients: neither grad_weight nor grad_weight_bf16 is set");
       grad_weight_f32 = g->grad_weight;
       report_.grad_weight = RunReport::GradWeight::f32_output;
     } else if (tuning.hilo_grad_weight && H % 8 == 0 && hilo_gemm_available()) {
       const std::size_t bytes = static_cast<std::size_t>(V * H * 2);
-      if (accumulator_.bytes() != bytes) {
-        accumulator_ = DeviceBuffer();
-        accumulator_ = DeviceBuffer(bytes, "the bf16 lo half of the grad_weight hi/lo pair", stream_);
-      }
+      allocate_accumulator(bytes, "the bf16 lo half of the grad_weight hi/lo pair");
       hi = g->grad_weight_bf16;
       lo = accumulator_.as<__nv_bfloat16>();
       report_.grad_weight = RunReport::GradWeight::hilo;
@@ -127,25 +224,13 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       report_.grad_weight = RunReport::GradWeight::f32_caller;
     } else {
       const std::size_t bytes = static_cast<std::size_t>(V * ld_h * 4);
-      if (accumulator_.bytes() != bytes) {
-        accumulator_ = DeviceBuffer();
-        accumulator_ = DeviceBuffer(bytes, "the fp32 grad_weight accumulator", stream_);
-      }
+      allocate_accumulator(bytes, "the fp32 grad_weight accumulator");
       grad_weight_f32 = accumulator_.as<float>();
       report_.grad_weight = RunReport::GradWeight::f32_own;
       report_.accumulator_bytes = static_cast<std::int64_t>(bytes);
     }
   }
 
-  // The plan of fused/schedule.h for the rows this backend's layout fits in options.workspace_bytes (padded
-  // rows, fixed scratch first).
-  const std::int64_t budget = options.workspace_bytes;
-  const bool epilogue_stats = tuning.logits == Tuning::Logits::promoted && tuning.epilogue_stats && V % 4 == 0 &&
-                              tuning.promoted.variant == 0 &&
-                              promoted_stats_available();
-  Layout layout = fixed_layout(s, std::max<std::int64_t>(budget, 0), gradients,
-                               epilogue_stats ? promoted_stats_tiles(V) : 0);
-  const std::int64_t rows_that_fit = budget > layout.fixed ? (budget - layout.fixed) / layout.per_row : 0;
   if (rows_that_fit < 1)
     throw InputError("cuda backend: workspace of " + std::to_string(budget) + " bytes cannot hold one token row of " +
                      s.to_string() + ": it needs " + std::to_string(layout.fixed + layout.per_row) + " bytes (" +
@@ -161,17 +246,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   place_chunk_buffers(layout, s, report_.schedule.max_rows(), gradients);
   report_.workspace_bytes = layout.total;
 
-  // One allocation for all scratch, reused across runs of the same size; the cuBLAS handles are made once.
-  const std::int64_t gemm_bytes = gemm_workspace_bytes(budget);
-  if (!gemms_ || workspace_.bytes() != static_cast<std::size_t>(layout.total) || gemm_bytes != gemm_bytes_) {
-    workspace_ = DeviceBuffer();  // free the old one first: peak memory is one workspace, never two
-    workspace_ = DeviceBuffer(static_cast<std::size_t>(layout.total), "the fused workspace", stream_);
-    void* gemm_scratch = workspace_.as<char>() + layout.gemm;
-    if (gemms_) gemms_->set_workspace(gemm_scratch, static_cast<std::size_t>(gemm_bytes));
-    else gemms_ = std::make_unique<Gemms>(stream_, gemm_scratch, static_cast<std::size_t>(gemm_bytes));
-    gemm_bytes_ = gemm_bytes;
-  }
-  char* base = workspace_.as<char>();
+  char* base = allocate_workspace(layout.total, layout.gemm, gemm_workspace_bytes(budget));
   float* row_max = reinterpret_cast<float*>(base + layout.row_max);
   float* lse = reinterpret_cast<float*>(base + layout.lse);
   float* z_target = reinterpret_cast<float*>(base + layout.z_target);
@@ -346,13 +421,111 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   if (g && g->grad_weight_bf16 && !hi) launch_round_to_bf16(grad_weight_f32, ld_h, V, H, g->grad_weight_bf16, stream_);
   if (g && g->grad_bias && g->grad_bias_bf16) launch_round_to_bf16(g->grad_bias, V, 1, V, g->grad_bias_bf16, stream_);
 
-  RowStats stats(N);
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.lse.data(), lse, N * 4, cudaMemcpyDeviceToHost, stream_));
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.z_target.data(), z_target, N * 4, cudaMemcpyDeviceToHost, stream_));
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.rowsum.data(), rowsum, N * 8, cudaMemcpyDeviceToHost, stream_));
-  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  report_.gemm_fallbacks = gemms_->fallback_calls();
-  return stats;
+  return download_row_stats(N, lse, z_target, rowsum);
+}
+
+// The low-memory schedule (Tuning::low_memory; README "The low-memory schedule"). Three steps, no host
+// synchronization until the statistics are copied back:
+//   1. statistics: per chunk of token rows, the promoted logits GEMM with the row statistics in its epilogue and
+//      no output (promoted_stats.h), its tile partials merged into the row statistics;
+//   2. the pair math for every pair;
+//   3. backward, per slice [v0, v1) of the vocabulary over all N rows: the slice's logits again (promoted GEMM),
+//      dz over them in place, grad_W[v0, v1) = dz^T x written once (its target term added, then rounded into a
+//      bf16 output), grad_x += dz W[v0, v1) into an fp32 [N, ld_h] accumulator; after the last slice grad_x is
+//      finished as in the other schedules (target term, one rounding).
+// Memory: the workspace (the budget) plus that grad_x accumulator, N * ld_h * 4 bytes; no grad_W accumulator.
+RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Options& options,
+                                     const Tuning& tuning) {
+  const Shape& s = p.shape;
+  const Hyperparameters& hp = p.hp;
+  const std::int64_t N = s.N(), B = s.B, P = s.P(), T = s.T, V = s.V, H = s.H, ld_h = p.ld_h;
+  const std::int64_t budget = options.workspace_bytes, tiles = promoted_stats_tiles(V);
+  const bool own_slice = g.grad_weight == nullptr;  // no fp32 output to write the slice's rows into
+  const SlicedLayout l = sliced_layout(s, budget, tiles, own_slice);
+  const std::int64_t C = l.slice_columns, gemm_bytes = gemm_workspace_bytes(budget);
+
+  Options stats_options = options;
+  stats_options.gradients = false;
+  report_.schedule = plan_rows(s, l.stat_rows, stats_options);
+  report_.schedule.bytes_per_row = tiles * 16;
+  report_.workspace_bytes = l.total;
+  report_.vocab_slice_columns = C;
+  report_.vocab_slices = (V + C - 1) / C;
+  report_.grad_weight = RunReport::GradWeight::sliced;
+  report_.accumulator_bytes = N * ld_h * 4;
+  allocate_accumulator(static_cast<std::size_t>(report_.accumulator_bytes),
+                       "the fp32 grad_x accumulator of the low-memory schedule");
+  auto* grad_x_sum = accumulator_.as<float>();
+
+  char* base = allocate_workspace(l.total, l.fixed.gemm, gemm_bytes);
+  float* row_max = reinterpret_cast<float*>(base + l.fixed.row_max);
+  float* lse = reinterpret_cast<float*>(base + l.fixed.lse);
+  float* z_target = reinterpret_cast<float*>(base + l.fixed.z_target);
+  float* z_target_raw = reinterpret_cast<float*>(base + l.fixed.z_target_raw);
+  float* target_coef = reinterpret_cast<float*>(base + l.fixed.target_coef);
+  double* rowsum = reinterpret_cast<double*>(base + l.fixed.rowsum);
+  double* avg_grad = reinterpret_cast<double*>(base + l.fixed.avg_grad);
+  auto* completion_tokens = reinterpret_cast<std::int64_t*>(base + l.fixed.completion_tokens);
+  float* tile_max = reinterpret_cast<float*>(base + l.tile_max);
+  float* tile_sum_exp = reinterpret_cast<float*>(base + l.tile_sum_exp);
+  double* tile_sum = reinterpret_cast<double*>(base + l.tile_sum);
+  float* logits = reinterpret_cast<float*>(base + l.logits);
+  auto* dz = reinterpret_cast<__nv_bfloat16*>(logits);  // in place, as in the other schedules
+  const std::int64_t ld_dz = 2 * C;
+  float* grad_w_slice = own_slice ? reinterpret_cast<float*>(base + l.grad_w_slice) : nullptr;
+  void* gemm_scratch = base + l.fixed.gemm;
+
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(completion_tokens, p.targets.n.data(), B * 8, cudaMemcpyHostToDevice, stream_));
+  if (g.grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g.grad_bias, 0, V * 4, stream_));
+
+  // 1. statistics
+  for (const Chunk& c : report_.schedule.chunks)
+    for (int i = 0; i < c.part_count; ++i) {
+      const RowRange& part = c.parts[i];
+      LogitTileStats out;
+      out.bias = p.bias;
+      out.target = p.target + part.begin;
+      out.ignore_index = hp.ignore_index;
+      out.ld = l.stat_rows;
+      out.tile_max = tile_max;
+      out.tile_sum_exp = tile_sum_exp;
+      out.tile_sum = tile_sum;
+      out.z_target = z_target_raw + part.begin;
+      promoted_logits_stats(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, nullptr, V, tuning.promotion_k,
+                            out, stream_, gemm_scratch, static_cast<std::size_t>(gemm_bytes));
+      const TileStatsRows partials{tile_max, tile_sum_exp, tile_sum, l.stat_rows, tiles, part.rows(), part.begin,
+                                   z_target_raw, p.target, hp.ignore_index};
+      launch_merge_tile_stats(partials, row_max, lse, z_target, rowsum, stream_);
+    }
+  // 2. pair math
+  launch_pair_math(PairParams{T, P, hp.ignore_index, hp.beta, hp.gamma, hp.label_smoothing}, 0, P, p.target, lse,
+                   z_target, completion_tokens, avg_grad, stream_);
+  const double nll_weight =
+      hp.compute_nll_loss && p.targets.n_chosen > 0 ? hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
+  const CoefficientParams coefficients{T, P, hp.grad_scale, nll_weight, avg_grad, completion_tokens};
+
+  // 3. backward, a slice of the vocabulary at a time
+  for (std::int64_t v0 = 0; v0 < V; v0 += C) {
+    const std::int64_t columns = std::min(C, V - v0);  // a multiple of 4: V % 4 == 0, C % 192 == 0
+    const __nv_bfloat16* w_slice = p.weight + v0 * ld_h;
+    promoted_logits(N, columns, ld_h, p.x, w_slice, logits, C, tuning.promotion_k, stream_, gemm_scratch,
+                    static_cast<std::size_t>(gemm_bytes), tuning.promoted);
+    LogitRows rows{logits, C, N, 0, columns, p.bias ? p.bias + v0 : nullptr, p.target, hp.ignore_index};
+    rows.column_begin = v0;
+    launch_dz(rows, coefficients, row_max, lse, z_target, dz, ld_dz, target_coef, stream_);
+    gemms_->grad_x(N, columns, ld_h, dz, ld_dz, w_slice, grad_x_sum, /*accumulate=*/v0 > 0);
+    float* gw = own_slice ? grad_w_slice : g.grad_weight + v0 * ld_h;  // row 0 = vocabulary row v0
+    gemms_->accumulate_grad_weight(N, columns, ld_h, dz, ld_dz, p.x, gw, /*overwrite=*/true);
+    launch_target_scatter(p.x, N, 0, H, ld_h, p.target, target_coef, gw, nullptr, stream_, v0, v0 + columns);
+    if (g.grad_weight_bf16) launch_round_to_bf16(gw, ld_h, columns, H, g.grad_weight_bf16 + v0 * H, stream_);
+    if (g.grad_bias) launch_bias_column_sums(dz, ld_dz, N, columns, g.grad_bias + v0, stream_);
+  }
+  launch_grad_x_finish(grad_x_sum, N, 0, H, ld_h, p.weight, p.target, target_coef, g.grad_x, stream_);
+  if (g.grad_bias) {
+    launch_target_scatter(p.x, N, 0, H, ld_h, p.target, target_coef, nullptr, g.grad_bias, stream_);
+    if (g.grad_bias_bf16) launch_round_to_bf16(g.grad_bias, V, 1, V, g.grad_bias_bf16, stream_);
+  }
+  return download_row_stats(N, lse, z_target, rowsum);
 }
 
 }  // namespace simpo::fused::cuda

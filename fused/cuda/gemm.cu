@@ -134,8 +134,8 @@ void Gemms::logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const _
 
 // Row-major grad_x[rows, ld_h] = dz W is column-major grad_x^T[ld_h, rows] = W^T(col-major [ld_h, V]) dz^T.
 void Gemms::grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
-                   std::int64_t ld_dz, const __nv_bfloat16* weight, float* grad_x) {
-  gemm(false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, 0.0f, grad_x, ld_h);
+                   std::int64_t ld_dz, const __nv_bfloat16* weight, float* grad_x, bool accumulate) {
+  gemm(false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, accumulate ? 1.0f : 0.0f, grad_x, ld_h);
 }
 
 // Row-major grad_W[V, ld_h] += dz^T x is column-major grad_W^T[ld_h, V] += x^T(col-major [ld_h, rows]) dz

@@ -38,9 +38,10 @@ class Gemms {
   // extra passes over the fp32 logits.
   void logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
               const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, int k_splits = 1);
-  // grad_x[rows, ld_h] = dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero).
+  // grad_x[rows, ld_h] (+)= dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero);
+  // accumulate: beta = 1 (the low-memory schedule sums it over slices of the vocabulary).
   void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz, std::int64_t ld_dz,
-              const __nv_bfloat16* weight, float* grad_x);
+              const __nv_bfloat16* weight, float* grad_x, bool accumulate = false);
   // grad_weight[V, ld_h] (+)= dz[rows, V]^T x[rows, ld_h]: the fp32 accumulator across chunks (beta = 1), or
   // its first term (beta = 0, `overwrite`), which saves clearing V*H*4 bytes beforehand.
   void accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,

@@ -127,8 +127,9 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
   const std::int64_t local = blockIdx.x, r = a.row_begin + local, b = r / c.T;
   const float* row = a.logits + local * a.ld_logits;
   __nv_bfloat16* out = dz + local * ld_dz;
-  const std::int64_t t = a.target[r];
-  const bool completion = t != a.ignore_index;
+  const std::int64_t target = a.target[r];
+  const bool completion = target != a.ignore_index;
+  const std::int64_t t = target - a.column_begin;  // the target's column in this buffer (maybe outside it)
   // k in double from the pair math, stored as float: the same steps as fused/forward_outputs.cpp.
   const float k = static_cast<float>(m::row_coefficient(c.grad_scale, completion, c.avg_grad[b],
                                                         static_cast<long long>(c.completion_tokens[b]),
@@ -205,11 +206,12 @@ __global__ void __launch_bounds__(kRowThreads) grad_x_finish_kernel(const float*
 __global__ void __launch_bounds__(kRowThreads) target_scatter_kernel(const __nv_bfloat16* x, std::int64_t row_begin,
                                                                     std::int64_t H, std::int64_t ld_h,
                                                                     const std::int64_t* target, const float* coef,
-                                                                    float* grad_weight, float* grad_bias) {
+                                                                    float* grad_weight, float* grad_bias,
+                                                                    std::int64_t v_begin, std::int64_t v_end) {
   const std::int64_t r = row_begin + blockIdx.x;
   const float c = coef[r];
-  if (c == 0.0f) return;
-  const std::int64_t t = target[r];
+  if (c == 0.0f || target[r] < v_begin || target[r] >= v_end) return;
+  const std::int64_t t = target[r] - v_begin;
   const __nv_bfloat16* xr = x + r * ld_h;
   if (grad_weight != nullptr) {  // null: the bias's term alone (the hi/lo pair takes the weight's: target_rows_hilo)
     float* gw = grad_weight + t * ld_h;
@@ -406,10 +408,11 @@ void launch_grad_x_finish(const float* part, std::int64_t rows, std::int64_t row
 
 void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
                            std::int64_t ld_h, const std::int64_t* target, const float* target_coef,
-                           float* grad_weight, float* grad_bias, cudaStream_t stream) {
+                           float* grad_weight, float* grad_bias, cudaStream_t stream, std::int64_t v_begin,
+                           std::int64_t v_end) {
   if (rows == 0) return;
   target_scatter_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(x, row_begin, H, ld_h, target, target_coef,
-                                                                     grad_weight, grad_bias);
+                                                                     grad_weight, grad_bias, v_begin, v_end);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

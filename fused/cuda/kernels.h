@@ -21,6 +21,10 @@ struct LogitRows {
   const __nv_bfloat16* bias;  // [V] or nullptr; added to every logit as it is read
   const std::int64_t* target; // [N] (global rows)
   std::int64_t ignore_index;
+  // Vocabulary column of the buffer's column 0 (dz_kernel over a slice of the vocabulary, the low-memory
+  // schedule: `V` is then the slice's width and `bias` points at the slice's first column). The statistics
+  // kernels read whole rows: 0.
+  std::int64_t column_begin = 0;
 };
 
 // Pass 1, for the part's rows: row_max[r]; lse[r] and z_target[r] relative to it (lse = log sum exp(z - max),
@@ -78,9 +82,12 @@ void launch_grad_x_finish(const float* grad_x_part, std::int64_t rows, std::int6
 
 // The target term of the weight and bias gradients: grad_weight[target[r]] += c[r] x[r], grad_bias[target[r]]
 // += c[r] (grad_weight and grad_bias may each be null), fp32 atomics (rows sharing a target add into one row).
+// Only targets in [v_begin, v_end) add, and both outputs' row 0 is vocabulary row v_begin (a slice of the
+// vocabulary: the low-memory schedule's grad_W slice buffer).
 void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
                            std::int64_t ld_h, const std::int64_t* target, const float* target_coef, float* grad_weight,
-                           float* grad_bias, cudaStream_t);
+                           float* grad_bias, cudaStream_t, std::int64_t v_begin = 0,
+                           std::int64_t v_end = INT64_MAX);
 
 // grad_bias[v] += sum over the part's rows of D[r, v] (fp32 sums of the bf16 values the GEMMs also use).
 void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, std::int64_t rows, std::int64_t V,

@@ -166,6 +166,17 @@ int main(int argc, char** argv) {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.epilogue_stats = a == "--epilogue-stats";
       tuned = true;
+    } else if (a == "--low-memory") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      const std::string when = i + 1 < argc ? argv[++i] : "";
+      if (when == "always") tuning.low_memory = Tuning::LowMemory::always;
+      else if (when == "never") tuning.low_memory = Tuning::LowMemory::never;
+      else if (when == "auto") tuning.low_memory = Tuning::LowMemory::automatic;
+      else {
+        std::fprintf(stderr, "cuda_bench: --low-memory takes always, never or auto, not '%s'\n", when.c_str());
+        return 2;
+      }
+      tuned = true;
     } else if (a == "--kernels") {
       kernels = true;
     } else if (a == "--block-timing") {
@@ -186,6 +197,8 @@ int main(int argc, char** argv) {
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
                    "                  [--forward-chunk-rows n (0: as the budget allows)] [--epilogue-stats | --no-epilogue-stats] [--gemms-per-part]\n"
                    "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels] [--block-timing]\n"
+                   "                  [--low-memory always|never|auto (the vocabulary-sliced schedule; auto: when the budget\n"
+                   "                   cannot hold one pair's rows)]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
                    "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
       return a == "--help" ? 0 : 2;
@@ -295,7 +308,7 @@ int main(int argc, char** argv) {
       trim_device_pool();  // what the pool kept of the last B's workspace, out of the baseline
       const std::int64_t free_before = free_device_bytes();
       runner.run(problem, &gradients, options, tuning);
-      const std::string schedule = runner.last_report().schedule.to_string();
+      const std::string schedule = runner.last_report().to_string();
       const std::int64_t workspace_full = runner.last_report().workspace_bytes;
       const int fallbacks = runner.last_report().gemm_fallbacks;
       const std::int64_t accumulator = runner.last_report().accumulator_bytes;

@@ -301,14 +301,76 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
     for (bool with_gradients : {true, false}) {
       Options options = cuda_options();
       options.workspace_bytes = mib << 20;
-      runner.run(device, with_gradients ? &gradients : nullptr, options);
+      runner.run(device, with_gradients ? &gradients : nullptr, options, cuda::tuning_for(H, options));
       const auto& report = runner.last_report();
       SCOPED_TRACE(std::to_string(mib) + " MiB: " + report.schedule.to_string());
       EXPECT_LE(report.workspace_bytes, options.workspace_bytes);
       EXPECT_EQ(report.gemm_fallbacks, 0) << "cuBLASLt refused a padded, 16-byte aligned GEMM";
+      // Below one pair's rows, where the epilogue statistics run: the low-memory schedule (its statistics pass
+      // is forward_only; the forward alone stores no logits either), else the two_pass fallback.
+      const bool low_memory = mib < 200 && cuda::promoted_stats_available();
+      EXPECT_EQ(report.vocab_slice_columns > 0, with_gradients && low_memory);
       if (with_gradients) {
-        EXPECT_EQ(report.schedule.mode, mib >= 200 ? Mode::three_pass : Mode::two_pass);
+        EXPECT_EQ(report.schedule.mode,
+                  mib >= 200 ? Mode::three_pass : low_memory ? Mode::forward_only : Mode::two_pass);
+      } else if (low_memory) {
+        EXPECT_EQ(report.schedule.bytes_per_row, cuda::promoted_stats_tiles(V) * 16) << "logits stored";
       }
+    }
+  }
+}
+
+// The low-memory schedule (Tuning::low_memory): statistics from the epilogue, then the backward a vocabulary
+// slice at a time. A 1 MiB budget gives V = 1000 two slices (the second partial), V = 196 one (its statistics
+// pass has a 4-column last tile); with a bias, random ignored rows, an ignore_index inside
+// [0, V), label smoothing, and both grad_weight forms (bf16: rounded from the workspace's fp32 slice; fp32:
+// written in place). Against the reference's bar, and against three_pass to fp32 noise.
+TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::promoted_stats_available())
+    GTEST_SKIP() << "the low-memory schedule needs the epilogue statistics (CUTLASS build, compute capability 9.0)";
+  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 1000}, Shape{.B = 2, .T = 70, .H = 64, .V = 196}}) {
+    CaseSpec spec = spec_of(shape, 30.0, 36);
+    spec.bias = true;
+    spec.ignore = IgnorePattern::random;
+    spec.hp.ignore_index = 7;
+    spec.hp.label_smoothing = 0.1;
+    const Problem problem = generate(spec);
+    const TensorMap exact = reference::compute(problem);
+    for (const bool f32 : {false, true}) {
+      SCOPED_TRACE(shape.to_string() + (f32 ? ", fp32 grad_weight" : ", bf16 grad_weight"));
+      Options options = cuda_options();
+      options.grad_weight_f32 = f32;
+      const TensorMap three_pass = cuda::compute(problem, options);
+      options.workspace_bytes = std::int64_t{1} << 20;
+      cuda::Tuning tuning = cuda::tuning_for(shape.H, options);
+      tuning.low_memory = cuda::Tuning::LowMemory::always;
+      const TensorMap out = cuda::compute(problem, options, tuning);
+      expect_meets_bar(out, exact, spec.logit_scale);
+      expect_same_to_fp32_noise(out, three_pass, &exact);
+
+      cuda::FusedRunner runner;
+      const cuda::DeviceInputs inputs = cuda::upload_inputs(problem, runner.stream());
+      const std::int64_t N = shape.N(), ld_h = cuda::padded(shape.H);
+      cuda::DeviceBuffer grad_x(N * shape.H * 2, "grad_x"), grad_w(shape.V * ld_h * 4, "grad_weight"),
+          grad_b(shape.V * 4, "grad_bias");
+      cuda::DeviceGradients gradients;
+      gradients.grad_x = grad_x.as<__nv_bfloat16>();
+      gradients.grad_weight = grad_w.as<float>();
+      gradients.grad_bias = grad_b.as<float>();
+      runner.run(inputs.problem, &gradients, options, tuning);
+      const cuda::RunReport& report = runner.last_report();
+      SCOPED_TRACE(report.to_string());
+      const std::int64_t C = report.vocab_slice_columns;
+      ASSERT_GT(C, 0);
+      EXPECT_EQ(C % 192, 0);
+      EXPECT_EQ(report.vocab_slices, (shape.V + C - 1) / C);
+      if (shape.V == 1000) {
+        EXPECT_EQ(report.vocab_slices, 2);  // 576 (bf16) or 960 (fp32, no slice buffer) columns
+      }
+      EXPECT_EQ(report.grad_weight, cuda::RunReport::GradWeight::sliced);
+      EXPECT_EQ(report.accumulator_bytes, N * ld_h * 4);
+      EXPECT_LE(report.workspace_bytes, options.workspace_bytes);
     }
   }
 }
