@@ -5,6 +5,9 @@
 // temporary fragment and adds that fragment into the fp32 accumulator every `mma_promotion_interval` wgmmas.
 // Nothing in that collective is FP8-specific but its name. Epilogue: fp32 D, no C, TMA store.
 //
+// The default variant replaces that collective's mma() with one whose two consumer warpgroups promote half an
+// interval apart (StaggeredMainloop, promoted_mainloop.cuh), so their drains do not coincide.
+//
 // Register budget: each of the two consumer warpgroups holds its 64 x TileN accumulator twice (the running
 // sum and the block in flight), TileN fp32 registers per thread; TileN = 128 leaves room, 256 would not.
 #include "fused/cuda/cuda_check.h"
@@ -21,6 +24,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
+#include "fused/cuda/promoted_mainloop.cuh"
 #endif
 
 namespace simpo::fused::cuda {
@@ -89,79 +93,6 @@ struct SplitNMainloop : Base {
   }
 };
 
-// Staggered promotion. In the cooperative kernel both consumer warpgroups work through the same k tiles in step,
-// so with CUTLASS's FP8 mainloop they reach each promotion (drain the wgmmas with warpgroup_wait<0>, then add the
-// block into the running sum) at about the same time, and the tensor cores wait on both. Here the second
-// warpgroup closes its first block half an interval early, so its drains fall between the first's: while one
-// warpgroup drains and adds, the other still has a batch queued. The arithmetic is the same promotion (every
-// `interval` k tiles, the first block of warpgroup 1 half as long); the release protocol is the base's
-// (K_PIPE_MMAS = 1: each stage is released one k tile late, mma_tail releases the last).
-template <class Base>
-struct StaggeredMainloop : Base {
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
-                          FrgTensorC& accum, int k_tile_count, int thread_idx,
-                          typename Base::TensorStorage& shared_tensors, typename Base::Params const& params) {
-    auto sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
-    auto sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
-    typename Base::TiledMma tiled_mma;
-    constexpr int kWarpGroups = size(typename Base::TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
-    const auto warp_group_thread_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
-    const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
-    auto tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    auto tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-    auto block = make_fragment_like(accum);  // the block of k in flight
-    clear(accum);
-
-    // The interval in k tiles (mma_promotion_interval counts wgmmas, size<2>(tCrA) of them per k tile).
-    const int interval = cute::max(1, static_cast<int>(params.mma_promotion_interval / size<2>(tCrA)));
-    int left = warp_group_idx % 2 == 0 ? interval : cute::max(1, interval / 2);  // k tiles until this warpgroup promotes
-    bool open = false;                                                       // block holds unpromoted products
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    auto smem_pipe_release = smem_pipe_read;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k_tile = 0; k_tile < k_tile_count; ++k_tile) {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      const int stage = smem_pipe_read.index();
-      warpgroup_fence_operand(block);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(tiled_mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), block);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      open = true;
-      if (--left == 0) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(block);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(block); ++i) accum(i) += block(i);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-        left = interval;
-        open = false;
-      } else {
-        warpgroup_wait<1>();  // the previous k tile's batch is done: its stage can go back
-        warpgroup_fence_operand(block);
-      }
-      if (k_tile > 0) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-      }
-      ++smem_pipe_read;
-    }
-    if (open) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(block);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(block); ++i) accum(i) += block(i);
-    }
-    warpgroup_fence_operand(accum);
-  }
-};
-
 enum class MainloopForm { fp8_collective, split_n, staggered };
 
 template <class TileShape, class ClusterShape, MainloopForm kForm = MainloopForm::fp8_collective>
@@ -188,12 +119,7 @@ struct PromotedGemm {
                                            cute::Layout<cute::Shape<_2, _1, _1>>{}));
   static constexpr bool kSplitN = kForm == MainloopForm::split_n;
   using TiledMma = cute::conditional_t<kSplitN, SplitMma, typename Plain::TiledMma>;
-  using Promoting = cutlass::gemm::collective::CollectiveMma<
-      cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedFP8<Plain::DispatchPolicy::Stages, ClusterShape, Schedule>,
-      TileShape, Element, typename Plain::StrideA, Element, typename Plain::StrideB, TiledMma,
-      typename Plain::GmemTiledCopyA, typename Plain::SmemLayoutAtomA, typename Plain::SmemCopyAtomA,
-      typename Plain::TransformA, typename Plain::GmemTiledCopyB, typename Plain::SmemLayoutAtomB,
-      typename Plain::SmemCopyAtomB, typename Plain::TransformB>;
+  using Promoting = PromotingCollective<Plain, TileShape, ClusterShape, Schedule, TiledMma>;
   using Mainloop = cute::conditional_t<
       kSplitN, SplitNMainloop<Promoting>,
       cute::conditional_t<kForm == MainloopForm::staggered, StaggeredMainloop<Promoting>, Promoting>>;
@@ -264,29 +190,25 @@ struct PromotedGemm {
 using Tile128x128 = PromotedGemm<cute::Shape<_128, _128, _64>, cute::Shape<_1, _1, _1>>;
 using Tile128x128Cluster2 = PromotedGemm<cute::Shape<_128, _128, _64>, cute::Shape<_2, _1, _1>>;
 using Tile128x192 = PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_1, _1, _1>>;
+using Tile128x192Staggered = PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_1, _1, _1>, MainloopForm::staggered>;
 using Tile128x256SplitN =
     PromotedGemm<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, MainloopForm::split_n>;
-using Tile128x192Staggered = PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_1, _1, _1>, MainloopForm::staggered>;
-using Tile128x192Cluster2 = PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_2, _1, _1>>;
-using Tile128x192Cluster2Staggered =
-    PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_2, _1, _1>, MainloopForm::staggered>;
 
-// 128x192 first: the fastest of the first three at the workload's shapes on the H200 (fused/cuda/BENCHMARKS.md).
-constexpr const char* kNames[] = {"128x192x64 cluster 1x1", "128x128x64 cluster 2x1", "128x128x64 cluster 1x1",
-                                  "128x256x64 cluster 2x1 split-N (promotes every 64 k)",
-                                  "128x192x64 cluster 1x1 staggered", "128x192x64 cluster 2x1",
-                                  "128x192x64 cluster 2x1 staggered"};
+// 128x192 staggered first: the fastest at the workload's shapes on the H200 (fused/cuda/BENCHMARKS.md, sixth
+// round; a 2x1 cluster on this tile measured no faster and was dropped). promoted_stats.cu runs variant 0's
+// mainloop with its own epilogue.
+constexpr const char* kNames[] = {"128x192x64 cluster 1x1 staggered", "128x192x64 cluster 1x1 in step",
+                                  "128x128x64 cluster 2x1", "128x128x64 cluster 1x1",
+                                  "128x256x64 cluster 2x1 split-N (promotes every 64 k)"};
 
 template <class F>
 decltype(auto) dispatch(int variant, F&& f) {
   switch (variant) {
-    case 0: return f(Tile128x192{});
-    case 1: return f(Tile128x128Cluster2{});
-    case 2: return f(Tile128x128{});
-    case 3: return f(Tile128x256SplitN{});
-    case 4: return f(Tile128x192Staggered{});
-    case 5: return f(Tile128x192Cluster2{});
-    case 6: return f(Tile128x192Cluster2Staggered{});
+    case 0: return f(Tile128x192Staggered{});
+    case 1: return f(Tile128x192{});
+    case 2: return f(Tile128x128Cluster2{});
+    case 3: return f(Tile128x128{});
+    case 4: return f(Tile128x256SplitN{});
   }
   throw CudaError("promoted logits GEMM: no variant " + std::to_string(variant));
 }

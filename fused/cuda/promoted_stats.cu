@@ -1,11 +1,11 @@
 // The promoted logits GEMM with the row statistics in its epilogue (promoted_stats.h). The mainloop is
-// promoted_gemm.cu's default (128x192x64 tile, cluster 1x1, CUTLASS's FP8-style promotion with bf16 operands);
-// the epilogue is CUTLASS's TMA warp-specialized one, entered through StatsEpilogue, which first reduces each
-// row of the accumulator tile in registers (a max, then one exp per logit against it, a sum; the four lanes
-// sharing a row merge by shuffles; one lane per row writes the tile's partials) and then runs CUTLASS's store
-// of the fp32 logits, or no store at all (ElementD = void) for the forward. The first version reduced inside
-// an epilogue visitor node, one fragment at a time with an online (branching) max: slower than storing the
-// logits and reading them back (BENCHMARKS.md, second round).
+// promoted_gemm.cu's default (128x192x64 tile, cluster 1x1, CUTLASS's FP8-style promotion with bf16 operands, the
+// two warpgroups promoting half an interval apart: promoted_mainloop.cuh); the epilogue is CUTLASS's TMA warp-
+// specialized one, entered through StatsEpilogue, which first reduces each row of the accumulator tile in registers
+// (a max, then one exp per logit against it, a sum; the four lanes sharing a row merge by shuffles; one lane per
+// row writes the tile's partials) and then runs CUTLASS's store of the fp32 logits, or no store at all (ElementD =
+// void) for the forward. The first version reduced inside an epilogue visitor node, one fragment at a time with an
+// online (branching) max: slower than storing the logits and reading them back (BENCHMARKS.md, second round).
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_stats.h"
@@ -23,6 +23,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
+#include "fused/cuda/promoted_mainloop.cuh"
 #include "fused/simpo_math.h"
 #endif
 
@@ -227,12 +228,7 @@ struct StatsGemm {
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
-  using Mainloop = cutlass::gemm::collective::CollectiveMma<
-      cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedFP8<Plain::DispatchPolicy::Stages, ClusterShape, Schedule>,
-      TileShape, Element, typename Plain::StrideA, Element, typename Plain::StrideB, typename Plain::TiledMma,
-      typename Plain::GmemTiledCopyA, typename Plain::SmemLayoutAtomA, typename Plain::SmemCopyAtomA,
-      typename Plain::TransformA, typename Plain::GmemTiledCopyB, typename Plain::SmemLayoutAtomB,
-      typename Plain::SmemCopyAtomB, typename Plain::TransformB>;
+  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

@@ -75,7 +75,7 @@ if want bench; then
   "$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
   # Each other promoted variant at every B (BENCH_VARIANTS, default: the split-N 128x256 tile; its statistics
   # come from row_stats_kernel), then the BENCH_EXTRA forms.
-  for v in ${BENCH_VARIANTS-3}; do  # set but empty: none
+  for v in ${BENCH_VARIANTS-4}; do  # set but empty: none
     echo "== cuda_bench --variant $v"
     "$stage/cuda_bench" --variant $v 2>&1 | tee -a "$OUT/bench.log"
   done
