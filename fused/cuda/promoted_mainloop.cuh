@@ -1,6 +1,7 @@
-// The promoting mainloop of the logits GEMMs (promoted_gemm.cu, promoted_stats.cu): CUTLASS's FP8 collective
-// (MainloopSm90TmaGmmaWarpSpecializedFP8, instantiated with bf16 operands) with its mma() replaced by one whose two
-// consumer warpgroups promote out of step. Included only where CUTLASS is (SIMPO_HAVE_CUTLASS_SM90).
+// The promoting mainloops of the logits GEMMs (promoted_gemm.cu, promoted_stats.cu): CUTLASS's FP8 collective
+// (MainloopSm90TmaGmmaWarpSpecializedFP8, instantiated with bf16 operands) with its mma() replaced: by one whose two
+// consumer warpgroups promote out of step (the default), or by the split-N one of the 128x256 tile. Included only
+// where CUTLASS is (SIMPO_HAVE_CUTLASS_SM90).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -9,6 +10,23 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 
 namespace simpo::fused::cuda {
+
+// What each mma() below starts from: the calling thread's consumer warpgroup and that warpgroup's wgmma fragments
+// of the A and B stage buffers (shared-memory descriptors over every pipeline stage), as CUTLASS's collective
+// makes them.
+template <class Base>
+CUTLASS_DEVICE auto consumer_fragments(typename Base::TensorStorage& shared_tensors, int thread_idx) {
+  using namespace cute;
+  auto sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+  auto sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
+  typename Base::TiledMma tiled_mma;
+  constexpr int kWarpGroups = size(typename Base::TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+  const auto warp_group_thread_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+  const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+  auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+  return make_tuple(warp_group_idx, thread_mma.make_fragment_A(thread_mma.partition_A(sA)),
+                    thread_mma.make_fragment_B(thread_mma.partition_B(sB)));
+}
 
 // Staggered promotion. In the cooperative kernel both consumer warpgroups work through the same k tiles in step,
 // so with CUTLASS's FP8 mainloop they reach each promotion (drain the wgmmas with warpgroup_wait<0>, then add the
@@ -24,15 +42,11 @@ struct StaggeredMainloop : Base {
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
                           typename Base::TensorStorage& shared_tensors, typename Base::Params const& params) {
     using namespace cute;
-    auto sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
-    auto sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
     typename Base::TiledMma tiled_mma;
-    constexpr int kWarpGroups = size(typename Base::TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
-    const auto warp_group_thread_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
-    const int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
-    auto tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    auto tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+    auto fragments = consumer_fragments<Base>(shared_tensors, thread_idx);
+    const int warp_group_idx = get<0>(fragments);
+    auto& tCrA = get<1>(fragments);  // (MMA, MMA_M, MMA_K, PIPE)
+    auto& tCrB = get<2>(fragments);  // (MMA, MMA_N, MMA_K, PIPE)
     auto block = make_fragment_like(accum);  // the block of k in flight
     clear(accum);
 
@@ -84,6 +98,61 @@ struct StaggeredMainloop : Base {
   }
 };
 
+
+// The 128x256 tile with promotion: a consumer warpgroup's 64x256 running sum (128 fp32 registers per thread)
+// plus a whole 64x256 block in flight would need 256 registers, more than a warpgroup gets. So each k tile
+// (64 deep) is multiplied one 64x128 half at a time into a 64-register partial sum, which is waited for and
+// added into its half of the running sum: a promotion every 64 k, with the other consumer warpgroup's wgmmas
+// filling the tensor cores while one adds. Everything but mma() (TMA loads, pipeline, smem layouts, the
+// epilogue) is CUTLASS's FP8 collective, instantiated with a 64x128 wgmma atom tiled twice along N. The
+// release protocol is the base's (K_PIPE_MMAS = 1: each stage is released one k tile late; mma_tail releases
+// the last).
+template <class Base>
+struct SplitNMainloop : Base {
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          typename Base::TensorStorage& shared_tensors, typename Base::Params const&) {
+    using namespace cute;
+    typename Base::TiledMma tiled_mma;
+    auto fragments = consumer_fragments<Base>(shared_tensors, thread_idx);
+    auto& tCrA = get<1>(fragments);  // (MMA, 1, MMA_K, PIPE)
+    auto& tCrB = get<2>(fragments);  // (MMA, 2, MMA_K, PIPE)
+    static_assert(decltype(size<1>(tCrA))::value == 1 && decltype(size<2>(accum))::value == 2);
+    auto part = make_fragment_like(accum(_, 0, 0));  // (MMA): one half's partial sum
+    clear(accum);
+
+    auto smem_pipe_release = smem_pipe_read;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k_tile = 0; k_tile < k_tile_count; ++k_tile) {
+      auto token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, token);
+      const int stage = smem_pipe_read.index();
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < 2; ++n) {
+        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(part);
+        warpgroup_arrive();
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < size<2>(tCrA); ++k) {
+          cute::gemm(tiled_mma, part, tCrA(_, 0, k, stage), tCrB(_, n, k, stage), part);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(part);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(part); ++i) accum(i, 0, n) += part(i);
+      }
+      if (k_tile > 0) {
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
+      ++smem_pipe_read;
+    }
+    warpgroup_fence_operand(accum);
+  }
+};
 
 // The promoting collective for a bf16 GEMM whose tile layouts, copies and wgmma atoms come from the ordinary bf16
 // CollectiveBuilder (`Plain`), with another TiledMma where given.
