@@ -131,7 +131,8 @@ struct PromotedGemm {
 using Tile128x128 = PromotedGemm<cute::Shape<_128, _128, _64>, cute::Shape<_1, _1, _1>>;
 using Tile128x128Cluster2 = PromotedGemm<cute::Shape<_128, _128, _64>, cute::Shape<_2, _1, _1>>;
 using Tile128x192 = PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_1, _1, _1>>;
-using Tile128x192Staggered = PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_1, _1, _1>, MainloopForm::staggered>;
+using Tile128x192Staggered =
+    PromotedGemm<cute::Shape<_128, _192, _64>, cute::Shape<_1, _1, _1>, MainloopForm::staggered>;
 using Tile128x256SplitN =
     PromotedGemm<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, MainloopForm::split_n>;
 

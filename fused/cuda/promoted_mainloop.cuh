@@ -52,8 +52,9 @@ struct StaggeredMainloop : Base {
 
     // The interval in k tiles (mma_promotion_interval counts wgmmas, size<2>(tCrA) of them per k tile).
     const int interval = cute::max(1, static_cast<int>(params.mma_promotion_interval / size<2>(tCrA)));
-    int left = warp_group_idx % 2 == 0 ? interval : cute::max(1, interval / 2);  // k tiles until this warpgroup promotes
-    bool open = false;                                                       // block holds unpromoted products
+    // k tiles until this warpgroup promotes; whether the block holds products not yet promoted.
+    int left = warp_group_idx % 2 == 0 ? interval : cute::max(1, interval / 2);
+    bool open = false;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     auto smem_pipe_release = smem_pipe_read;
     CUTLASS_PRAGMA_NO_UNROLL
