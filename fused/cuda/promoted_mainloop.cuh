@@ -99,7 +99,6 @@ struct StaggeredMainloop : Base {
   }
 };
 
-
 // The 128x256 tile with promotion: a consumer warpgroup's 64x256 running sum (128 fp32 registers per thread)
 // plus a whole 64x256 block in flight would need 256 registers, more than a warpgroup gets. So each k tile
 // (64 deep) is multiplied one 64x128 half at a time into a 64-register partial sum, which is waited for and
