@@ -62,10 +62,13 @@ struct RunReport {
   // accumulator_bytes is then its fp32 grad_x accumulator, N * ld_h * 4).
   enum class GradWeight { none, f32_output, f32_caller, f32_own, hilo, sliced } grad_weight = GradWeight::none;
   std::int64_t accumulator_bytes = 0;
-  // The low-memory schedule (Tuning::low_memory): > 0 when it ran, the columns of its vocabulary slices; the
-  // `schedule` above is then its statistics pass (forward_only chunks of token rows).
+  // The low-memory schedule (Tuning::low_memory): > 0 when it ran, the columns of its vocabulary slices and the
+  // rows of the blocks each slice's backward goes through; the `schedule` above is then its statistics pass
+  // (forward_only chunks of token rows).
   std::int64_t vocab_slice_columns = 0;
   std::int64_t vocab_slices = 0;
+  std::int64_t block_rows = 0;
+  std::int64_t row_blocks = 0;
   std::string to_string() const;  // the schedule, and the slices when there are any
 };
 

@@ -77,19 +77,47 @@ void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool grad
 
 // The low-memory schedule's workspace (Tuning::low_memory): the fixed part as above (with the epilogue
 // statistics' raw target logits), then one region used twice. The statistics pass holds there the epilogue's
-// tile partials for chunks of `stat_rows` token rows; the backward then holds one vocabulary slice of
-// `slice_columns` columns: its fp32 logits for all N rows (dz written in place) and, when no fp32 grad_weight is
-// given to write into, the slice's fp32 grad_W rows. Columns come in multiples of 192: whole tiles of the
-// promoted GEMM (a partial tile costs a whole one), which also keeps every slice start 16-byte aligned for the
-// bias loads and the fp32 store's groups of 4 whole.
+// tile partials for chunks of `stat_rows` token rows; the backward then holds one tile of `block_rows` token rows
+// by `slice_columns` vocabulary columns: its fp32 logits (dz written in place) and, when no fp32 grad_weight is
+// given to write into, the vocabulary slice's fp32 grad_W rows, which accumulate over the slice's row blocks.
+// Columns come in multiples of 192: whole tiles of the promoted GEMM (a partial tile costs a whole one), which
+// also keeps every slice start 16-byte aligned for the bias loads and the fp32 store's groups of 4 whole.
 struct SlicedLayout {
   Layout fixed;
-  std::int64_t stat_rows = 0, slice_columns = 0;
+  std::int64_t stat_rows = 0, block_rows = 0, slice_columns = 0;
   std::int64_t tile_max = 0, tile_sum_exp = 0, tile_sum = 0;  // statistics pass
   std::int64_t logits = 0, grad_w_slice = 0;                    // backward
   std::int64_t total = 0;
-  bool fits() const { return stat_rows > 0 && slice_columns > 0; }
+  bool fits() const { return stat_rows > 0 && block_rows > 0 && slice_columns > 0; }
 };
+
+// The backward's tile shape. Each vocabulary slice after the first reads and writes the fp32 grad_x
+// accumulator ([N, ld_h]) once, and each row block after the first the slice's fp32 grad_W rows, so with S_v
+// slices and S_r blocks the accumulators move ~8 H (S_v N + S_r V) bytes (the GEMMs' bf16 operands x and W are
+// re-read in the same proportion). One block of all N rows (S_r = 1) is the narrowest slice and the most grad_x
+// passes: 223 of them, ~120 GB, at B = 16 with 64 MiB (BENCHMARKS.md, seventh round). The shape is the one of
+// least S_v N + S_r V that fits the region, rows in multiples of 128 (the GEMM's M tile) or all N.
+struct BackwardTile {
+  std::int64_t rows = 0, columns = 0;
+};
+
+BackwardTile backward_tile(std::int64_t N, std::int64_t V, std::int64_t ld_h, std::int64_t region, bool grad_w_slice) {
+  const std::int64_t max_columns = (V + 191) / 192 * 192;
+  BackwardTile best;
+  double best_cost = 0;
+  auto consider = [&](std::int64_t rows) {
+    // fp32 logits row by row at ld = columns, plus the slice's fp32 grad_W rows
+    const std::int64_t per_column = rows * 4 + (grad_w_slice ? ld_h * 4 : 0);
+    const std::int64_t columns = std::min(max_columns, (region - 2 * kAlign) / per_column / 192 * 192);
+    if (columns <= 0) return;
+    const double cost = static_cast<double>((V + columns - 1) / columns) * static_cast<double>(N) +
+                        static_cast<double>((N + rows - 1) / rows - 1) * static_cast<double>(V);
+    if (best.rows == 0 || cost < best_cost) best = {rows, columns}, best_cost = cost;
+  };
+  consider(N);
+  for (std::int64_t rows = 128; rows < N; rows += 128) consider(rows);
+  return best;
+}
 
 SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t tiles, bool grad_w_slice) {
   SlicedLayout l;
@@ -98,15 +126,16 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t til
   const std::int64_t start = l.fixed.fixed - 6 * kAlign, region = budget - l.fixed.fixed;
   if (region <= 0) return l;
   l.stat_rows = std::min(N, region / (tiles * 16));
-  const std::int64_t per_column = N * 4 + (grad_w_slice ? ld_h * 4 : 0);
-  l.slice_columns = std::min((s.V + 191) / 192 * 192, region / per_column / 192 * 192);
+  const BackwardTile tile = backward_tile(N, s.V, ld_h, region, grad_w_slice);
+  l.block_rows = tile.rows;
+  l.slice_columns = tile.columns;
   if (!l.fits()) return l;
   l.tile_max = start;
   l.tile_sum_exp = l.tile_max + align_up(tiles * l.stat_rows * 4);
   l.tile_sum = l.tile_sum_exp + align_up(tiles * l.stat_rows * 4);
   const std::int64_t end_stats = l.tile_sum + align_up(tiles * l.stat_rows * 8);
   l.logits = start;
-  l.grad_w_slice = l.logits + align_up(N * l.slice_columns * 4);
+  l.grad_w_slice = l.logits + align_up(l.block_rows * l.slice_columns * 4);
   const std::int64_t end_slice = l.grad_w_slice + align_up(grad_w_slice ? l.slice_columns * ld_h * 4 : 0);
   l.total = std::max(end_stats, end_slice);
   return l;
@@ -117,7 +146,8 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t til
 std::string RunReport::to_string() const {
   if (vocab_slice_columns == 0) return schedule.to_string();
   return "low-memory: statistics in " + schedule.to_string() + ", then " + std::to_string(vocab_slices) +
-         " vocabulary slices of <= " + std::to_string(vocab_slice_columns) + " columns over all rows";
+         " vocabulary slices of <= " + std::to_string(vocab_slice_columns) + " columns, each in " +
+         std::to_string(row_blocks) + " row block(s) of <= " + std::to_string(block_rows) + " rows";
 }
 
 FusedRunner::FusedRunner() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
@@ -191,7 +221,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   const bool low_memory = epilogue_stats_run && tuning.low_memory != Tuning::LowMemory::never &&
                           (tuning.low_memory == Tuning::LowMemory::always ||
                            rows_fitting(layout_for(tuning.epilogue_stats)) < 2 * T);
-  report_.vocab_slice_columns = report_.vocab_slices = 0;
+  report_.vocab_slice_columns = report_.vocab_slices = report_.block_rows = report_.row_blocks = 0;
   if (gradients && low_memory) {
     const SlicedLayout sliced = sliced_layout(s, std::max<std::int64_t>(budget, 0), promoted_stats_tiles(V),
                                               /*grad_w_slice=*/g->grad_weight == nullptr);
@@ -429,10 +459,12 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
 //   1. statistics: per chunk of token rows, the promoted logits GEMM with the row statistics in its epilogue and
 //      no output (promoted_stats.h), its tile partials merged into the row statistics;
 //   2. the pair math for every pair;
-//   3. backward, per slice [v0, v1) of the vocabulary over all N rows: the slice's logits again (promoted GEMM),
-//      dz over them in place, grad_W[v0, v1) = dz^T x written once (its target term added, then rounded into a
-//      bf16 output), grad_x += dz W[v0, v1) into an fp32 [N, ld_h] accumulator; after the last slice grad_x is
-//      finished as in the other schedules (target term, one rounding).
+//   3. backward, per slice [v0, v1) of the vocabulary and, within it, per block [r0, r1) of token rows
+//      (sliced_layout's tile): the tile's logits again (promoted GEMM), dz over them in place,
+//      grad_x[r0, r1) += dz W[v0, v1) into an fp32 [N, ld_h] accumulator, grad_W[v0, v1) (+)= dz^T x[r0, r1)
+//      (the fp32 output's rows, or the workspace's slice buffer); after the slice's last block its grad_W rows
+//      get their target term and are rounded into a bf16 output, and after the last slice grad_x is finished as
+//      in the other schedules (target term, one rounding).
 // Memory: the workspace (the budget) plus that grad_x accumulator, N * ld_h * 4 bytes; no grad_W accumulator.
 RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Options& options,
                                      const Tuning& tuning) {
@@ -442,7 +474,7 @@ RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradien
   const std::int64_t budget = options.workspace_bytes, tiles = promoted_stats_tiles(V);
   const bool own_slice = g.grad_weight == nullptr;  // no fp32 output to write the slice's rows into
   const SlicedLayout l = sliced_layout(s, budget, tiles, own_slice);
-  const std::int64_t C = l.slice_columns, gemm_bytes = gemm_workspace_bytes(budget);
+  const std::int64_t C = l.slice_columns, R = l.block_rows, gemm_bytes = gemm_workspace_bytes(budget);
 
   Options stats_options = options;
   stats_options.gradients = false;
@@ -451,6 +483,8 @@ RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradien
   report_.workspace_bytes = l.total;
   report_.vocab_slice_columns = C;
   report_.vocab_slices = (V + C - 1) / C;
+  report_.block_rows = R;
+  report_.row_blocks = (N + R - 1) / R;
   report_.grad_weight = RunReport::GradWeight::sliced;
   report_.accumulator_bytes = N * ld_h * 4;
   allocate_accumulator(static_cast<std::size_t>(report_.accumulator_bytes),
@@ -504,21 +538,26 @@ RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradien
       hp.compute_nll_loss && p.targets.n_chosen > 0 ? hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
   const CoefficientParams coefficients{T, P, hp.grad_scale, nll_weight, avg_grad, completion_tokens};
 
-  // 3. backward, a slice of the vocabulary at a time
+  // 3. backward, a tile of the vocabulary slice by row block at a time
   for (std::int64_t v0 = 0; v0 < V; v0 += C) {
     const std::int64_t columns = std::min(C, V - v0);  // a multiple of 4: V % 4 == 0, C % 192 == 0
     const __nv_bfloat16* w_slice = p.weight + v0 * ld_h;
-    promoted_logits(N, columns, ld_h, p.x, w_slice, logits, C, tuning.promotion_k, stream_, gemm_scratch,
-                    static_cast<std::size_t>(gemm_bytes), tuning.promoted);
-    LogitRows rows{logits, C, N, 0, columns, p.bias ? p.bias + v0 : nullptr, p.target, hp.ignore_index};
-    rows.column_begin = v0;
-    launch_dz(rows, coefficients, row_max, lse, z_target, dz, ld_dz, target_coef, stream_);
-    gemms_->grad_x(N, columns, ld_h, dz, ld_dz, w_slice, grad_x_sum, /*accumulate=*/v0 > 0);
     float* gw = own_slice ? grad_w_slice : g.grad_weight + v0 * ld_h;  // row 0 = vocabulary row v0
-    gemms_->accumulate_grad_weight(N, columns, ld_h, dz, ld_dz, p.x, gw, /*overwrite=*/true);
+    for (std::int64_t r0 = 0; r0 < N; r0 += R) {
+      const std::int64_t rows = std::min(R, N - r0);
+      const __nv_bfloat16* x_block = p.x + r0 * ld_h;
+      promoted_logits(rows, columns, ld_h, x_block, w_slice, logits, C, tuning.promotion_k, stream_, gemm_scratch,
+                      static_cast<std::size_t>(gemm_bytes), tuning.promoted);
+      LogitRows tile{logits, C, rows, r0, columns, p.bias ? p.bias + v0 : nullptr, p.target, hp.ignore_index};
+      tile.column_begin = v0;
+      launch_dz(tile, coefficients, row_max, lse, z_target, dz, ld_dz, target_coef, stream_);
+      gemms_->grad_x(rows, columns, ld_h, dz, ld_dz, w_slice, grad_x_sum + r0 * ld_h, /*accumulate=*/v0 > 0);
+      gemms_->accumulate_grad_weight(rows, columns, ld_h, dz, ld_dz, x_block, gw, /*overwrite=*/r0 == 0);
+      if (g.grad_bias) launch_bias_column_sums(dz, ld_dz, rows, columns, g.grad_bias + v0, stream_);
+    }
+    // target_coef holds every row's coefficient now (each block's dz_kernel wrote its rows')
     launch_target_scatter(p.x, N, 0, H, ld_h, p.target, target_coef, gw, nullptr, stream_, v0, v0 + columns);
     if (g.grad_weight_bf16) launch_round_to_bf16(gw, ld_h, columns, H, g.grad_weight_bf16 + v0 * H, stream_);
-    if (g.grad_bias) launch_bias_column_sums(dz, ld_dz, N, columns, g.grad_bias + v0, stream_);
   }
   launch_grad_x_finish(grad_x_sum, N, 0, H, ld_h, p.weight, p.target, target_coef, g.grad_x, stream_);
   if (g.grad_bias) {

@@ -92,11 +92,15 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
 // two_pass's first pass and forward_only store none), with a bias, random ignored rows and a custom
 // ignore_index, at V not a multiple of the 192-wide tile (196: a last tile of 4 columns) or a multiple (384),
 // rows not a multiple of the 128-row tile; against the previous path (row_stats_kernel, gradient GEMMs per part).
+// The third shape has 330 tiles, more than two per CTA on any GPU of <= 132 SMs, so a tile's epilogue runs under
+// the next tile's first wgmmas (promoted_stats.cu), with K a partial last k tile, at promotion every k tile (64)
+// and every four (256).
 TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the epilogue statistics need the promoted GEMM (CUTLASS build, compute capability 9.0)";
-  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 196}, Shape{.B = 2, .T = 300, .H = 64, .V = 384}}) {
+  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 196}, Shape{.B = 2, .T = 300, .H = 64, .V = 384},
+                      Shape{.B = 2, .T = 300, .H = 200, .V = 6148}}) {
     CaseSpec spec = spec_of(shape, 30.0, 35);
     spec.bias = true;
     spec.ignore = IgnorePattern::random;
@@ -108,19 +112,22 @@ TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
     const TensorMap exact_forward = reference::compute(problem, forward_ref);
     for (const std::int64_t chunk_rows : {std::int64_t{0}, shape.T - 1}) {  // three_pass, two_pass
       for (const bool gradients : {true, false}) {
-        SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows) +
-                     (gradients ? ", gradients" : ", forward only"));
-        Options options = cuda_options();
-        options.max_chunk_rows = chunk_rows;
-        options.gradients = gradients;
-        cuda::Tuning with = cuda::tuning_for(shape.H, options), without = with;
-        ASSERT_EQ(with.logits, cuda::Tuning::Logits::promoted);
-        with.epilogue_stats = true;
-        without.epilogue_stats = false;  // and the gradient GEMMs a part at a time: the previous path
-        without.gradient_gemms_per_chunk = false;
-        const TensorMap out = cuda::compute(problem, options, with);
-        expect_meets_bar(out, gradients ? exact : exact_forward, spec.logit_scale);
-        expect_same_to_fp32_noise(out, cuda::compute(problem, options, without), gradients ? &exact : &exact_forward);
+        for (const std::int64_t promotion_k : {std::int64_t{256}, std::int64_t{64}}) {
+          SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows) +
+                       (gradients ? ", gradients" : ", forward only") + ", promotion_k " + std::to_string(promotion_k));
+          Options options = cuda_options();
+          options.max_chunk_rows = chunk_rows;
+          options.gradients = gradients;
+          cuda::Tuning with = cuda::tuning_for(shape.H, options), without = with;
+          ASSERT_EQ(with.logits, cuda::Tuning::Logits::promoted);
+          with.promotion_k = without.promotion_k = promotion_k;
+          with.epilogue_stats = true;
+          without.epilogue_stats = false;  // and the gradient GEMMs a part at a time: the previous path
+          without.gradient_gemms_per_chunk = false;
+          const TensorMap out = cuda::compute(problem, options, with);
+          expect_meets_bar(out, gradients ? exact : exact_forward, spec.logit_scale);
+          expect_same_to_fp32_noise(out, cuda::compute(problem, options, without), gradients ? &exact : &exact_forward);
+        }
       }
     }
   }
@@ -320,16 +327,20 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
   }
 }
 
-// The low-memory schedule (Tuning::low_memory): statistics from the epilogue, then the backward a vocabulary
-// slice at a time. A 1 MiB budget gives V = 1000 two slices (the second partial), V = 196 one (its statistics
-// pass has a 4-column last tile); with a bias, random ignored rows, an ignore_index inside
-// [0, V), label smoothing, and both grad_weight forms (bf16: rounded from the workspace's fp32 slice; fp32:
-// written in place). Against the reference's bar, and against three_pass to fp32 noise.
+// The low-memory schedule (Tuning::low_memory): statistics from the epilogue, then the backward a tile (a
+// vocabulary slice by a block of rows) at a time. A 1 MiB budget gives V = 1000 two slices of all 200 rows (the
+// second slice partial), V = 196 one (its statistics pass has a 4-column last tile), and N = 1200, V = 6000
+// 11 slices of 5 row blocks (bf16 grad_weight: 576 columns by 256 rows) or 16 of 3 (fp32: 384 by 512), the last
+// block and slice partial, so grad_W accumulates over row blocks and grad_x over slices; with a bias, random
+// ignored rows, an ignore_index inside [0, V), label smoothing, and both grad_weight forms (bf16: rounded from the
+// workspace's fp32 slice; fp32: accumulated in place). Against the reference's bar, and against three_pass to
+// fp32 noise.
 TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the low-memory schedule needs the epilogue statistics (CUTLASS build, compute capability 9.0)";
-  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 1000}, Shape{.B = 2, .T = 70, .H = 64, .V = 196}}) {
+  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 1000}, Shape{.B = 2, .T = 70, .H = 64, .V = 196},
+                      Shape{.B = 4, .T = 300, .H = 64, .V = 6000}}) {
     CaseSpec spec = spec_of(shape, 30.0, 36);
     spec.bias = true;
     spec.ignore = IgnorePattern::random;
@@ -352,11 +363,13 @@ TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
       cuda::FusedRunner runner;
       const cuda::DeviceInputs inputs = cuda::upload_inputs(problem, runner.stream());
       const std::int64_t N = shape.N(), ld_h = cuda::padded(shape.H);
-      cuda::DeviceBuffer grad_x(N * shape.H * 2, "grad_x"), grad_w(shape.V * ld_h * 4, "grad_weight"),
-          grad_b(shape.V * 4, "grad_bias");
+      // The runner with the grad_weight form cuda::compute chose above: its report shows the tile shape that ran.
+      cuda::DeviceBuffer grad_x(N * shape.H * 2, "grad_x"),
+          grad_w(shape.V * (f32 ? ld_h * 4 : shape.H * 2), "grad_weight"), grad_b(shape.V * 4, "grad_bias");
       cuda::DeviceGradients gradients;
       gradients.grad_x = grad_x.as<__nv_bfloat16>();
-      gradients.grad_weight = grad_w.as<float>();
+      if (f32) gradients.grad_weight = grad_w.as<float>();
+      else gradients.grad_weight_bf16 = grad_w.as<__nv_bfloat16>();
       gradients.grad_bias = grad_b.as<float>();
       runner.run(inputs.problem, &gradients, options, tuning);
       const cuda::RunReport& report = runner.last_report();
@@ -365,8 +378,17 @@ TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
       ASSERT_GT(C, 0);
       EXPECT_EQ(C % 192, 0);
       EXPECT_EQ(report.vocab_slices, (shape.V + C - 1) / C);
+      const std::int64_t R = report.block_rows;
+      ASSERT_GT(R, 0);
+      EXPECT_TRUE(R == N || R % 128 == 0) << "row blocks are whole M tiles of the GEMM, or all rows";
+      EXPECT_EQ(report.row_blocks, (N + R - 1) / R);
       if (shape.V == 1000) {
         EXPECT_EQ(report.vocab_slices, 2);  // 576 (bf16) or 960 (fp32, no slice buffer) columns
+        EXPECT_EQ(report.row_blocks, 1);
+      }
+      if (shape.V == 6000) {
+        EXPECT_EQ(report.vocab_slices, f32 ? 16 : 11);
+        EXPECT_EQ(report.row_blocks, f32 ? 3 : 5);
       }
       EXPECT_EQ(report.grad_weight, cuda::RunReport::GradWeight::sliced);
       EXPECT_EQ(report.accumulator_bytes, N * ld_h * 4);
