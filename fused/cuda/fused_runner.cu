@@ -2,6 +2,7 @@
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/hilo_gemm.h"
 #include "fused/cuda/kernels.h"
+#include "fused/cuda/promoted_dz.h"
 #include "fused/cuda/promoted_gemm.h"
 
 #include <algorithm>
@@ -78,15 +79,18 @@ void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool grad
 // The low-memory schedule's workspace (Tuning::low_memory): the fixed part as above (with the epilogue
 // statistics' raw target logits), then one region used twice. The statistics pass holds there the epilogue's
 // tile partials for chunks of `stat_rows` token rows; the backward then holds one tile of `block_rows` token rows
-// by `slice_columns` vocabulary columns: its fp32 logits (dz written in place) and, when no fp32 grad_weight is
-// given to write into, the vocabulary slice's fp32 grad_W rows, which accumulate over the slice's row blocks.
+// by `slice_columns` vocabulary columns: its bf16 dz straight from the logits GEMM's epilogue (promoted_dz.h,
+// where V % 8 == 0) or its fp32 logits with dz written in place, and, when no fp32 grad_weight is given to write
+// into, the vocabulary slice's fp32 grad_W rows, which accumulate over the slice's row blocks. Before the
+// region: the rows' coefficients k, which the dz epilogue reads.
 // Columns come in multiples of 192: whole tiles of the promoted GEMM (a partial tile costs a whole one), which
 // also keeps every slice start 16-byte aligned for the bias loads and the fp32 store's groups of 4 whole.
 struct SlicedLayout {
   Layout fixed;
   std::int64_t stat_rows = 0, block_rows = 0, slice_columns = 0;
+  std::int64_t row_k = 0;                                       // [N] float
   std::int64_t tile_max = 0, tile_sum_exp = 0, tile_sum = 0;  // statistics pass
-  std::int64_t logits = 0, grad_w_slice = 0;                    // backward
+  std::int64_t tile = 0, grad_w_slice = 0;                      // backward: dz or logits, grad_W rows
   std::int64_t total = 0;
   bool fits() const { return stat_rows > 0 && block_rows > 0 && slice_columns > 0; }
 };
@@ -101,13 +105,14 @@ struct BackwardTile {
   std::int64_t rows = 0, columns = 0;
 };
 
-BackwardTile backward_tile(std::int64_t N, std::int64_t V, std::int64_t ld_h, std::int64_t region, bool grad_w_slice) {
+BackwardTile backward_tile(std::int64_t N, std::int64_t V, std::int64_t ld_h, std::int64_t region,
+                           std::int64_t element_bytes, bool grad_w_slice) {
   const std::int64_t max_columns = (V + 191) / 192 * 192;
   BackwardTile best;
   double best_cost = 0;
   auto consider = [&](std::int64_t rows) {
-    // fp32 logits row by row at ld = columns, plus the slice's fp32 grad_W rows
-    const std::int64_t per_column = rows * 4 + (grad_w_slice ? ld_h * 4 : 0);
+    // the tile's dz (2 bytes) or fp32 logits (4) at ld = columns, plus the slice's fp32 grad_W rows
+    const std::int64_t per_column = rows * element_bytes + (grad_w_slice ? ld_h * 4 : 0);
     const std::int64_t columns = std::min(max_columns, (region - 2 * kAlign) / per_column / 192 * 192);
     if (columns <= 0) return;
     const double cost = static_cast<double>((V + columns - 1) / columns) * static_cast<double>(N) +
@@ -119,14 +124,19 @@ BackwardTile backward_tile(std::int64_t N, std::int64_t V, std::int64_t ld_h, st
   return best;
 }
 
+// dz from the logits GEMM's epilogue: its bf16 TMA store takes groups of 8 columns, and every slice is whole
+// groups where V % 8 == 0 (slices are multiples of 192 columns).
+bool dz_in_epilogue(const Shape& s) { return s.V % 8 == 0 && promoted_dz_available(); }
+
 SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t tiles, bool grad_w_slice) {
   SlicedLayout l;
   l.fixed = fixed_layout(s, budget, /*gradients=*/true, tiles);
   const std::int64_t N = s.N(), ld_h = padded(s.H);
-  const std::int64_t start = l.fixed.fixed - 6 * kAlign, region = budget - l.fixed.fixed;
+  l.row_k = l.fixed.fixed - 6 * kAlign;
+  const std::int64_t start = l.row_k + align_up(N * 4), region = budget - l.fixed.fixed - align_up(N * 4);
   if (region <= 0) return l;
   l.stat_rows = std::min(N, region / (tiles * 16));
-  const BackwardTile tile = backward_tile(N, s.V, ld_h, region, grad_w_slice);
+  const BackwardTile tile = backward_tile(N, s.V, ld_h, region, dz_in_epilogue(s) ? 2 : 4, grad_w_slice);
   l.block_rows = tile.rows;
   l.slice_columns = tile.columns;
   if (!l.fits()) return l;
@@ -134,8 +144,8 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t til
   l.tile_sum_exp = l.tile_max + align_up(tiles * l.stat_rows * 4);
   l.tile_sum = l.tile_sum_exp + align_up(tiles * l.stat_rows * 4);
   const std::int64_t end_stats = l.tile_sum + align_up(tiles * l.stat_rows * 8);
-  l.logits = start;
-  l.grad_w_slice = l.logits + align_up(l.block_rows * l.slice_columns * 4);
+  l.tile = start;
+  l.grad_w_slice = l.tile + align_up(l.block_rows * l.slice_columns * (dz_in_epilogue(s) ? 2 : 4));
   const std::int64_t end_slice = l.grad_w_slice + align_up(grad_w_slice ? l.slice_columns * ld_h * 4 : 0);
   l.total = std::max(end_stats, end_slice);
   return l;
@@ -460,7 +470,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
 //      no output (promoted_stats.h), its tile partials merged into the row statistics;
 //   2. the pair math for every pair;
 //   3. backward, per slice [v0, v1) of the vocabulary and, within it, per block [r0, r1) of token rows
-//      (sliced_layout's tile): the tile's logits again (promoted GEMM), dz over them in place,
+//      (sliced_layout's tile): the tile's logits again (promoted GEMM), its dz from that GEMM's epilogue
+//      (promoted_dz.h; V % 8 == 0; k and target_coef of every row first) or by dz_kernel in place over them,
 //      grad_x[r0, r1) += dz W[v0, v1) into an fp32 [N, ld_h] accumulator, grad_W[v0, v1) (+)= dz^T x[r0, r1)
 //      (the fp32 output's rows, or the workspace's slice buffer); after the slice's last block its grad_W rows
 //      get their target term and are rounded into a bf16 output, and after the last slice grad_x is finished as
@@ -503,9 +514,12 @@ RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradien
   float* tile_max = reinterpret_cast<float*>(base + l.tile_max);
   float* tile_sum_exp = reinterpret_cast<float*>(base + l.tile_sum_exp);
   double* tile_sum = reinterpret_cast<double*>(base + l.tile_sum);
-  float* logits = reinterpret_cast<float*>(base + l.logits);
-  auto* dz = reinterpret_cast<__nv_bfloat16*>(logits);  // in place, as in the other schedules
-  const std::int64_t ld_dz = 2 * C;
+  // The tile: dz from the GEMM's epilogue ([R, C] bf16), or fp32 logits [R, C] with dz in place over them.
+  const bool epilogue_dz = dz_in_epilogue(s);
+  float* logits = reinterpret_cast<float*>(base + l.tile);
+  auto* dz = reinterpret_cast<__nv_bfloat16*>(base + l.tile);
+  const std::int64_t ld_dz = epilogue_dz ? C : 2 * C;
+  float* row_k = reinterpret_cast<float*>(base + l.row_k);
   float* grad_w_slice = own_slice ? reinterpret_cast<float*>(base + l.grad_w_slice) : nullptr;
   void* gemm_scratch = base + l.fixed.gemm;
 
@@ -537,6 +551,8 @@ RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradien
   const double nll_weight =
       hp.compute_nll_loss && p.targets.n_chosen > 0 ? hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
   const CoefficientParams coefficients{T, P, hp.grad_scale, nll_weight, avg_grad, completion_tokens};
+  if (epilogue_dz)
+    launch_row_coefficients(N, p.target, hp.ignore_index, coefficients, lse, z_target, row_k, target_coef, stream_);
 
   // 3. backward, a tile of the vocabulary slice by row block at a time
   for (std::int64_t v0 = 0; v0 < V; v0 += C) {
@@ -546,16 +562,23 @@ RowStats FusedRunner::run_low_memory(const DeviceProblem& p, const DeviceGradien
     for (std::int64_t r0 = 0; r0 < N; r0 += R) {
       const std::int64_t rows = std::min(R, N - r0);
       const __nv_bfloat16* x_block = p.x + r0 * ld_h;
-      promoted_logits(rows, columns, ld_h, x_block, w_slice, logits, C, tuning.promotion_k, stream_, gemm_scratch,
-                      static_cast<std::size_t>(gemm_bytes), tuning.promoted);
-      LogitRows tile{logits, C, rows, r0, columns, p.bias ? p.bias + v0 : nullptr, p.target, hp.ignore_index};
-      tile.column_begin = v0;
-      launch_dz(tile, coefficients, row_max, lse, z_target, dz, ld_dz, target_coef, stream_);
+      const __nv_bfloat16* bias_slice = p.bias ? p.bias + v0 : nullptr;
+      if (epilogue_dz) {
+        const DzTile tile{bias_slice, p.target, r0, v0, row_max, lse, row_k};
+        promoted_logits_dz(rows, columns, ld_h, x_block, w_slice, dz, ld_dz, tuning.promotion_k, tile, stream_,
+                           gemm_scratch, static_cast<std::size_t>(gemm_bytes));
+      } else {
+        promoted_logits(rows, columns, ld_h, x_block, w_slice, logits, C, tuning.promotion_k, stream_, gemm_scratch,
+                        static_cast<std::size_t>(gemm_bytes), tuning.promoted);
+        LogitRows tile{logits, C, rows, r0, columns, bias_slice, p.target, hp.ignore_index};
+        tile.column_begin = v0;
+        launch_dz(tile, coefficients, row_max, lse, z_target, dz, ld_dz, target_coef, stream_);
+      }
       gemms_->grad_x(rows, columns, ld_h, dz, ld_dz, w_slice, grad_x_sum + r0 * ld_h, /*accumulate=*/v0 > 0);
       gemms_->accumulate_grad_weight(rows, columns, ld_h, dz, ld_dz, x_block, gw, /*overwrite=*/r0 == 0);
       if (g.grad_bias) launch_bias_column_sums(dz, ld_dz, rows, columns, g.grad_bias + v0, stream_);
     }
-    // target_coef holds every row's coefficient now (each block's dz_kernel wrote its rows')
+    // target_coef holds every row's coefficient now (row_coefficients_kernel, or each block's dz_kernel)
     launch_target_scatter(p.x, N, 0, H, ld_h, p.target, target_coef, gw, nullptr, stream_, v0, v0 + columns);
     if (g.grad_weight_bf16) launch_round_to_bf16(gw, ld_h, columns, H, g.grad_weight_bf16 + v0 * H, stream_);
   }

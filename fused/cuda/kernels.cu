@@ -8,6 +8,8 @@
 //   pair_math_kernel          between 1 and 2 per pair: the two sequences' averages of log p and dL/davg of each
 //   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t);
 //                                             in place over the row's fp32 logits (a barrier per 2048 columns)
+//   row_coefficients_kernel   2               per row: k and k (1 - p_t) alone, where dz comes from the logits
+//                                             GEMM's epilogue (promoted_dz.h; the low-memory schedule)
 //   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
 //   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x (the one-hot term in fp32)
 //   bias_column_sums_kernel   2               grad_bias += column sums of dz (its target terms: target_scatter)
@@ -17,6 +19,8 @@
 //                                             takes whole groups of 8)
 //   round_to_bf16_kernel      end             the fp32 grad_weight / grad_bias accumulators into the bf16 outputs
 #include "fused/cuda/kernels.h"
+
+#include <algorithm>
 
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/row_reduce.cuh"
@@ -120,20 +124,25 @@ __global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, st
 // another thread of the same 2048-column step reads; so each step reads its tile, the block meets at a barrier,
 // and only then writes. A step's writes reach fp32 columns < (its start + 2048) / 2, all read by then, and never
 // a later step's. Separate buffers take the same path (one barrier per 2048 columns).
+// k of row r in double from the pair math, stored as float: the same steps as fused/forward_outputs.cpp.
+__device__ inline float row_k(const CoefficientParams& c, std::int64_t r, bool completion) {
+  const std::int64_t b = r / c.T;
+  return static_cast<float>(m::row_coefficient(c.grad_scale, completion, c.avg_grad[b],
+                                               static_cast<long long>(c.completion_tokens[b]),
+                                               b < c.P ? c.nll_weight : 0.0));
+}
+
 template <bool kBias>
 __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, CoefficientParams c, const float* row_max,
                                                         const float* lse, const float* z_target, __nv_bfloat16* dz,
                                                         std::int64_t ld_dz, float* target_coef) {
-  const std::int64_t local = blockIdx.x, r = a.row_begin + local, b = r / c.T;
+  const std::int64_t local = blockIdx.x, r = a.row_begin + local;
   const float* row = a.logits + local * a.ld_logits;
   __nv_bfloat16* out = dz + local * ld_dz;
   const std::int64_t target = a.target[r];
   const bool completion = target != a.ignore_index;
   const std::int64_t t = target - a.column_begin;  // the target's column in this buffer (maybe outside it)
-  // k in double from the pair math, stored as float: the same steps as fused/forward_outputs.cpp.
-  const float k = static_cast<float>(m::row_coefficient(c.grad_scale, completion, c.avg_grad[b],
-                                                        static_cast<long long>(c.completion_tokens[b]),
-                                                        b < c.P ? c.nll_weight : 0.0));
+  const float k = row_k(c, r, completion);
   const float shift = row_max[r], row_lse = lse[r];  // softmax_v = exp((z_v - max) - lse_relative)
   const float z_t = z_target[r];  // read before any write (z_target is never the logits buffer, but cheap)
   const std::int64_t V8 = a.V / 8 * 8;
@@ -159,6 +168,21 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
   __syncthreads();
   if (v < end) out[v] = __float2bfloat16_rn(value);
   if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_t, row_lse) : 0.0f;
+}
+
+// Pass 2 without a dz pass (promoted_dz.h computes dz in the logits GEMM's epilogue): per row, k and
+// target_coef, the two values dz_kernel derives besides dz itself. One thread per row.
+__global__ void __launch_bounds__(kRowThreads) row_coefficients_kernel(std::int64_t N, const std::int64_t* target,
+                                                                      std::int64_t ignore_index, CoefficientParams c,
+                                                                      const float* lse, const float* z_target,
+                                                                      float* k_out, float* target_coef) {
+  for (std::int64_t r = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; r < N;
+       r += std::int64_t(gridDim.x) * blockDim.x) {
+    const bool completion = target[r] != ignore_index;
+    const float k = row_k(c, r, completion);
+    k_out[r] = k;
+    target_coef[r] = completion ? m::target_coefficient(k, z_target[r], lse[r]) : 0.0f;
+  }
 }
 
 // ---- after the gradient GEMMs ----
@@ -390,6 +414,16 @@ void launch_dz(const LogitRows& a, const CoefficientParams& c, const float* row_
   else
     dz_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, row_max, lse, z_target, dz, ld_dz,
                                                                      target_coef);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_row_coefficients(std::int64_t N, const std::int64_t* target, std::int64_t ignore_index,
+                             const CoefficientParams& c, const float* lse, const float* z_target, float* k,
+                             float* target_coef, cudaStream_t stream) {
+  if (N == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((N + kRowThreads - 1) / kRowThreads, 4096));
+  row_coefficients_kernel<<<blocks, kRowThreads, 0, stream>>>(N, target, ignore_index, c, lse, z_target, k,
+                                                             target_coef);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -73,6 +73,11 @@ struct CoefficientParams {
 };
 void launch_dz(const LogitRows&, const CoefficientParams&, const float* row_max, const float* lse,
                const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t);
+// Where dz comes from the logits GEMM's epilogue (promoted_dz.h): k[r] (row_coefficient, as dz_kernel takes it)
+// and target_coef[r] for all N rows.
+void launch_row_coefficients(std::int64_t N, const std::int64_t* target, std::int64_t ignore_index,
+                             const CoefficientParams&, const float* lse, const float* z_target, float* k,
+                             float* target_coef, cudaStream_t);
 
 // grad_x rows = bf16(GEMM result + target_coef[r] * W[target[r]]): the exact target term added in fp32, then
 // one rounding. grad_x_part is [rows, ld_h] fp32; grad_x_out the [N, H] bf16 output.

@@ -23,6 +23,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
+#include "fused/cuda/epilogue_params.cuh"
 #include "fused/cuda/promoted_mainloop.cuh"
 #include "fused/simpo_math.h"
 #endif
@@ -35,56 +36,6 @@ namespace {
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 namespace m = ::simpo::fused::math;
-
-// Where the statistics go, carried to the epilogue as the arguments of a pass-through visitor node (the
-// accumulator reaches the store, or no store, unchanged): the work is done in StatsEpilogue::store below, on
-// the whole accumulator tile at once, before CUTLASS's epilogue loop.
-struct StatsArguments {
-  using ElementAux = float;  // lets the void-D epilogue builder name its (unused) output type
-  struct SharedStorage {};
-  using Arguments = LogitTileStats;
-  using Params = LogitTileStats;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.target != nullptr && args.tile_max != nullptr && args.tile_sum_exp != nullptr &&
-           args.tile_sum != nullptr && args.z_target != nullptr;
-  }
-  template <class ProblemShape>
-  static std::size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  CUTLASS_HOST_DEVICE StatsArguments() {}
-  CUTLASS_HOST_DEVICE StatsArguments(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;  // not empty: CuTe hands an empty tuple element out by value, the visitor wants a reference
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(fusion::detail::ProducerLoadArgs<Args...> const&) {
-    return fusion::detail::EmptyProducerLoadCallbacks{};
-  }
-  struct ConsumerStoreCallbacks : fusion::detail::EmptyConsumerStoreCallbacks {
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int, int, int,
-                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      return frg_input;
-    }
-  };
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<Args...> const&) {
-    return ConsumerStoreCallbacks{};
-  }
-};
 
 // CUTLASS's TMA warp-specialized epilogue with the row statistics taken first, straight from the accumulator
 // registers in the wgmma layout: a thread holds two rows (r, r + 8) of its warpgroup's 64-row slab, the same
@@ -215,7 +166,7 @@ struct StatsGemm {
   using LayoutD = cutlass::layout::RowMajor;
   using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using ElementD = cute::conditional_t<kStoreLogits, float, void>;
-  using Callbacks = fusion::Sm90EVT<StatsArguments, fusion::Sm90AccFetch>;
+  using Callbacks = fusion::Sm90EVT<EpilogueParams<LogitTileStats>, fusion::Sm90AccFetch>;
 
   using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,

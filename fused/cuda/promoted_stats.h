@@ -25,6 +25,10 @@ struct LogitTileStats {
   float* tile_sum_exp = nullptr;         // [tiles, ld] sum of exp(z - tile_max)
   double* tile_sum = nullptr;            // [tiles, ld] sum of z
   float* z_target = nullptr;             // [rows] z at the target (bias added); untouched where ignored
+  bool valid() const {
+    return target != nullptr && tile_max != nullptr && tile_sum_exp != nullptr && tile_sum != nullptr &&
+           z_target != nullptr;
+  }
 };
 
 // Built (CUTLASS, sm_90a) and the device runs it: promoted_logits_available().
