@@ -1,11 +1,9 @@
-// The promoted logits GEMM with the row statistics in its epilogue (promoted_stats.h). The mainloop is
-// promoted_gemm.cu's default (128x192x64 tile, cluster 1x1, CUTLASS's FP8-style promotion with bf16 operands, the
-// two warpgroups promoting half an interval apart: promoted_mainloop.cuh); the epilogue is CUTLASS's TMA warp-
-// specialized one, entered through StatsEpilogue, which first reduces each row of the accumulator tile in registers
-// (a max, then one exp per logit against it, a sum; the four lanes sharing a row merge by shuffles; one lane per
-// row writes the tile's partials) and then runs CUTLASS's store of the fp32 logits, or no store at all (ElementD =
-// void) for the forward. The first version reduced inside an epilogue visitor node, one fragment at a time with an
-// online (branching) max: slower than storing the logits and reading them back (BENCHMARKS.md, second round).
+// The promoted logits GEMM with the row statistics in its epilogue (promoted_stats.h): register_epilogue.cuh's
+// GEMM (promoted_gemm.cu's default mainloop) with StatsPass, which reduces each row of the accumulator tile in
+// registers (a max, then one exp per logit against it, a sum; the four lanes sharing a row merge by shuffles; one
+// lane per row writes the tile's partials) before CUTLASS's store of the fp32 logits, or no store at all (ElementD
+// = void) for the forward. The first version reduced inside an epilogue visitor node, one fragment at a time with
+// an online (branching) max: slower than storing the logits and reading them back (BENCHMARKS.md, second round).
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_stats.h"
@@ -13,18 +11,7 @@
 #include <string>
 
 #if defined(SIMPO_HAVE_CUTLASS_SM90)
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
-#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/kernel_hardware_info.h"
-#include "fused/cuda/epilogue_params.cuh"
-#include "fused/cuda/promoted_mainloop.cuh"
+#include "fused/cuda/register_epilogue.cuh"
 #include "fused/simpo_math.h"
 #endif
 
@@ -34,41 +21,25 @@ namespace simpo::fused::cuda {
 namespace {
 
 using namespace cute;
-namespace fusion = cutlass::epilogue::fusion;
 namespace m = ::simpo::fused::math;
 
-// CUTLASS's TMA warp-specialized epilogue with the row statistics taken first, straight from the accumulator
-// registers in the wgmma layout: a thread holds two rows (r, r + 8) of its warpgroup's 64-row slab, the same
+// The row statistics straight from the accumulator registers in the wgmma layout: a thread holds two rows (r, r + 8) of its warpgroup's 64-row slab, the same
 // TileN / 4 columns of each, and the quad of lanes sharing those rows holds all TileN. Per row: the max of the
 // thread's logits, a quad max by shuffles, then one exp per logit against that max, a sum of exp and a sum of
 // z, merged across the quad; no per-logit branch, no online rescaling, and the coordinates are constants added
 // to one base. The visitor loop of CUTLASS's store then stores the fp32 logits unchanged, or nothing (void D).
-template <class Base>
-struct StatsEpilogue : Base {
+struct StatsPass {
+  using Params = LogitTileStats;
   LogitTileStats stats;
-  CUTLASS_HOST_DEVICE StatsEpilogue(typename Base::Params const& params, typename Base::TensorStorage& storage)
-      : Base(params, storage), stats(params.thread.op_1) {}
-
-  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemShapeMNKL,
-            class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma>
-  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state, StorePipeline store_pipeline,
-                            StoreState store_state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
-                            TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
-                            TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared_tensors,
-                            int subtile_idx = -1) {
-    row_statistics(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx);
-    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
-                       tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors, subtile_idx);
-  }
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
-  CUTLASS_DEVICE void row_statistics(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
-                                     TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
-                                     int thread_idx) {
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                                 TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
+                                 int thread_idx) const {
     // acc: ((2 columns, 2 rows, TileN / 8 column groups), MMA_M, MMA_N), wgmma's F32 accumulator layout.
     static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
                       decltype(size<0, 1>(acc))::value == 2,
-                  "StatsEpilogue: not the wgmma accumulator layout");
+                  "StatsPass: not the wgmma accumulator layout");
     constexpr int kGroups = decltype(size<0, 2>(acc))::value;
     constexpr int kMmaM = decltype(size<1>(acc))::value, kMmaN = decltype(size<2>(acc))::value;
     constexpr int kTileN = decltype(size<1>(tile_shape_MNK))::value;
@@ -156,79 +127,9 @@ struct StatsEpilogue : Base {
   }
 };
 
-template <bool kStoreLogits>
-struct StatsGemm {
-  using TileShape = cute::Shape<_128, _192, _64>;  // promoted_gemm.cu's variant 0
-  using ClusterShape = cute::Shape<_1, _1, _1>;
-  using Element = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;
-  using LayoutD = cutlass::layout::RowMajor;
-  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using ElementD = cute::conditional_t<kStoreLogits, float, void>;
-  using Callbacks = fusion::Sm90EVT<EpilogueParams<LogitTileStats>, fusion::Sm90AccFetch>;
-
-  using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 4, ElementD, LayoutD, 4,
-      cutlass::epilogue::TmaWarpSpecializedCooperative, Callbacks>::CollectiveOp;
-  using Epilogue = StatsEpilogue<StockEpilogue>;
-
-  using Plain = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      Schedule>::CollectiveOp;
-  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static constexpr int kMmaK = 16;
-  static_assert(size<2>(TileShape{}) == promoted_k_granule, "promoted_k_granule is the k tile");
-
-  static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
-                                            const __nv_bfloat16* x, const __nv_bfloat16* weight, float* logits,
-                                            std::int64_t ld_logits, std::int64_t promotion_k,
-                                            const LogitTileStats& stats) {
-    const std::uint32_t interval =
-        promotion_k > 0 ? static_cast<std::uint32_t>(promotion_k / kMmaK) : (std::uint32_t{1} << 30);
-    typename Plain::StrideA stride_a{ld_h, Int<1>{}, 0};
-    typename Plain::StrideB stride_b{ld_h, Int<1>{}, 0};
-    typename Epilogue::StrideD stride_d{ld_logits, Int<1>{}, 0};
-    static const int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
-    cutlass::KernelHardwareInfo hw{0, sm_count};
-    cudaGetDevice(&hw.device_id);
-    using D = cute::conditional_t<kStoreLogits, float, void>;
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {static_cast<int>(rows), static_cast<int>(V), static_cast<int>(ld_h), 1},
-        {reinterpret_cast<const Element*>(x), stride_a, reinterpret_cast<const Element*>(weight), stride_b, interval},
-        {{{}, stats}, nullptr, stride_d, reinterpret_cast<D*>(logits), stride_d},
-        hw};
-    args.scheduler.max_swizzle_size = 1;
-    return args;
-  }
-
-  static void run(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
-                  const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, std::int64_t promotion_k,
-                  const LogitTileStats& stats, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
-    const auto args = arguments(rows, V, ld_h, x, weight, logits, ld_logits, promotion_k, stats);
-    Gemm gemm;
-    if (Gemm::get_workspace_size(args) > workspace_bytes)
-      throw CudaError("promoted logits GEMM with statistics: needs " + std::to_string(Gemm::get_workspace_size(args)) +
-                      " bytes of scratch, has " + std::to_string(workspace_bytes));
-    cutlass::Status status = gemm.can_implement(args);
-    if (status != cutlass::Status::kSuccess)
-      throw CudaError(std::string("promoted logits GEMM with statistics cannot run rows=") + std::to_string(rows) +
-                      " V=" + std::to_string(V) + " ld_h=" + std::to_string(ld_h) + ": " +
-                      cutlass::cutlassGetStatusString(status));
-    status = gemm.initialize(args, workspace, stream);
-    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
-    if (status != cutlass::Status::kSuccess)
-      throw CudaError(std::string("promoted logits GEMM with statistics: ") + cutlass::cutlassGetStatusString(status));
-    SIMPO_CUDA_CHECK_LAUNCH();
-  }
-};
+// The fp32 logits stored after the statistics (the full step), or no output at all (the forward).
+using StatsGemm = RegisterEpilogueGemm<StatsPass, float, 4>;
+using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass, void, 4>;
 
 }  // namespace
 
@@ -248,12 +149,13 @@ void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
   if (stats.ld < rows)
     throw CudaError("promoted logits GEMM with statistics: ld " + std::to_string(stats.ld) + " < rows " +
                     std::to_string(rows));
+  constexpr const char* what = "promoted logits GEMM with statistics";
   if (logits != nullptr)
-    StatsGemm<true>::run(rows, V, ld_h, x, weight, logits, ld_logits, promotion_k, stats, stream, workspace,
-                         workspace_bytes);
+    StatsGemm::run(what, rows, V, ld_h, x, weight, logits, ld_logits, promotion_k, stats, stream, workspace,
+                   workspace_bytes);
   else
-    StatsGemm<false>::run(rows, V, ld_h, x, weight, nullptr, V, promotion_k, stats, stream, workspace,
-                          workspace_bytes);
+    StatsOnlyGemm::run(what, rows, V, ld_h, x, weight, nullptr, V, promotion_k, stats, stream, workspace,
+                       workspace_bytes);
 }
 
 #else  // without CUTLASS or an sm_90a target: the runner keeps the separate statistics pass

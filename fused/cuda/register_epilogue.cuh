@@ -1,0 +1,165 @@
+// The default promoted logits GEMM (promoted_gemm.cu's variant 0: 128x192x64 tile, cluster 1x1, staggered
+// promotion, promoted_mainloop.cuh) with a pass over the accumulator tile in registers before CUTLASS's TMA
+// store: the epilogues of promoted_stats.cu (the row statistics, then the fp32 logits or no store) and
+// promoted_dz.cu (each logit rewritten into its dz, then a bf16 store). A Pass is a struct of its parameters,
+// `Params`, with
+//   template <...> CUTLASS_DEVICE void operator()(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
+//                                                 accumulators&, tiled_mma, thread_idx) const;
+// Its parameters ride from the GEMM's arguments to the epilogue on a pass-through node of CUTLASS's epilogue
+// visitor tree (EpilogueParams), which hands the accumulator to the store unchanged. Included only where CUTLASS
+// is (SIMPO_HAVE_CUTLASS_SM90).
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+#include "fused/cuda/cuda_check.h"
+#include "fused/cuda/promoted_gemm.h"
+#include "fused/cuda/promoted_mainloop.cuh"
+
+#include <string>
+
+namespace simpo::fused::cuda {
+
+template <class P>
+struct EpilogueParams {
+  using ElementAux = float;  // lets the void-D epilogue builder name its (unused) output type
+  struct SharedStorage {};
+  using Arguments = P;
+  using Params = P;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.valid();
+  }
+  template <class ProblemShape>
+  static std::size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  CUTLASS_HOST_DEVICE EpilogueParams() {}
+  CUTLASS_HOST_DEVICE EpilogueParams(Params const& params, SharedStorage const&) : params(params) {}
+  Params params;  // not empty: CuTe hands an empty tuple element out by value, the visitor wants a reference
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::detail::EmptyProducerLoadCallbacks{};
+  }
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::detail::EmptyConsumerStoreCallbacks {
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int, int, int,
+                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      return frg_input;
+    }
+  };
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const&) {
+    return ConsumerStoreCallbacks{};
+  }
+};
+
+// CUTLASS's TMA warp-specialized epilogue, entered through the pass: its parameters are the tree's node 1.
+template <class Base, class Pass>
+struct RegisterEpilogue : Base {
+  Pass pass;
+  CUTLASS_HOST_DEVICE RegisterEpilogue(typename Base::Params const& params, typename Base::TensorStorage& storage)
+      : Base(params, storage), pass{params.thread.op_1} {}
+
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemShapeMNKL,
+            class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state, StorePipeline store_pipeline,
+                            StoreState store_state, ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                            TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
+                            TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared_tensors,
+                            int subtile_idx = -1) {
+    pass(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx);
+    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
+                       tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors, subtile_idx);
+  }
+};
+
+// out[rows, ld_out] of ElementD (void: no output) = what the pass leaves of x weight^T, kAlignD elements (16
+// bytes) the store's unit.
+template <class Pass, class ElementD, int kAlignD>
+struct RegisterEpilogueGemm {
+  using Params = typename Pass::Params;
+  using TileShape = cute::Shape<cute::_128, cute::_192, cute::_64>;  // promoted_gemm.cu's variant 0
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using Element = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;     // x[rows, ld_h]
+  using LayoutB = cutlass::layout::ColumnMajor;  // weight[V, ld_h] as B (k x V, column-major)
+  using LayoutD = cutlass::layout::RowMajor;
+  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<EpilogueParams<Params>, cutlass::epilogue::fusion::Sm90AccFetch>;
+
+  using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlignD, ElementD, LayoutD,
+      kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative, Callbacks>::CollectiveOp;
+  using Epilogue = RegisterEpilogue<StockEpilogue, Pass>;
+
+  using Plain = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      Schedule>::CollectiveOp;
+  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kMmaK = 16;  // bf16 wgmma's k: the promotion interval is counted in wgmmas
+  static_assert(cute::size<2>(TileShape{}) == promoted_k_granule, "promoted_k_granule is the k tile");
+
+  // `what` names the GEMM in the errors.
+  static void run(const char* what, std::int64_t rows, std::int64_t columns, std::int64_t ld_h,
+                  const __nv_bfloat16* x, const __nv_bfloat16* weight, void* out, std::int64_t ld_out,
+                  std::int64_t promotion_k, const Params& params, cudaStream_t stream, void* workspace,
+                  std::size_t workspace_bytes) {
+    const std::uint32_t interval =
+        promotion_k > 0 ? static_cast<std::uint32_t>(promotion_k / kMmaK) : (std::uint32_t{1} << 30);
+    typename Plain::StrideA stride_a{ld_h, cute::Int<1>{}, 0};
+    typename Plain::StrideB stride_b{ld_h, cute::Int<1>{}, 0};
+    typename Epilogue::StrideD stride_d{ld_out, cute::Int<1>{}, 0};
+    static const int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    cutlass::KernelHardwareInfo hw{0, sm_count};
+    cudaGetDevice(&hw.device_id);
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(rows), static_cast<int>(columns), static_cast<int>(ld_h), 1},
+        {reinterpret_cast<const Element*>(x), stride_a, reinterpret_cast<const Element*>(weight), stride_b, interval},
+        {{{}, params}, nullptr, stride_d, static_cast<ElementD*>(out), stride_d},
+        hw};
+    args.scheduler.max_swizzle_size = 1;
+    Gemm gemm;
+    const std::string name = what;
+    if (Gemm::get_workspace_size(args) > workspace_bytes)
+      throw CudaError(name + ": needs " + std::to_string(Gemm::get_workspace_size(args)) + " bytes of scratch, has " +
+                      std::to_string(workspace_bytes));
+    cutlass::Status status = gemm.can_implement(args);
+    if (status != cutlass::Status::kSuccess)
+      throw CudaError(name + " cannot run rows=" + std::to_string(rows) + " columns=" + std::to_string(columns) +
+                      " ld_h=" + std::to_string(ld_h) + ": " + cutlass::cutlassGetStatusString(status));
+    status = gemm.initialize(args, workspace, stream);
+    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    if (status != cutlass::Status::kSuccess) throw CudaError(name + ": " + cutlass::cutlassGetStatusString(status));
+    SIMPO_CUDA_CHECK_LAUNCH();
+  }
+};
+
+}  // namespace simpo::fused::cuda
