@@ -23,8 +23,9 @@ namespace {
 using namespace cute;
 namespace m = ::simpo::fused::math;
 
-// The row statistics straight from the accumulator registers in the wgmma layout: a thread holds two rows (r, r + 8) of its warpgroup's 64-row slab, the same
-// TileN / 4 columns of each, and the quad of lanes sharing those rows holds all TileN. Per row: the max of the
+// The row statistics straight from the accumulator registers in the wgmma layout: a thread holds two rows (r,
+// r + 8) of its warpgroup's 64-row slab, the same TileN / 4 columns of each, and the quad of lanes sharing those
+// rows holds all TileN. Per row: the max of the
 // thread's logits, a quad max by shuffles, then one exp per logit against that max, a sum of exp and a sum of
 // z, merged across the quad; no per-logit branch, no online rescaling, and the coordinates are constants added
 // to one base. The visitor loop of CUTLASS's store then stores the fp32 logits unchanged, or nothing (void D).
