@@ -24,11 +24,16 @@ using namespace cute;
 namespace m = ::simpo::fused::math;
 
 // The row statistics straight from the accumulator registers in the wgmma layout: a thread holds two rows (r,
-// r + 8) of its warpgroup's 64-row slab, the same TileN / 4 columns of each, and the quad of lanes sharing those
-// rows holds all TileN. Per row: the max of the
-// thread's logits, a quad max by shuffles, then one exp per logit against that max, a sum of exp and a sum of
-// z, merged across the quad; no per-logit branch, no online rescaling, and the coordinates are constants added
-// to one base. The visitor loop of CUTLASS's store then stores the fp32 logits unchanged, or nothing (void D).
+// r + 8) of each 64-row slab of its warpgroup, the same TileN / 4 columns of each, and the quad of lanes sharing
+// those rows holds all TileN. Per row: the max of the thread's logits, a quad max by shuffles, then one exp per
+// logit against that max, a sum of exp and a sum of z, merged across the quad; one lane writes the tile's partials.
+//
+// Why it is written as straight-line code: the pass runs on the mainloop's warps (the cooperative kernel's
+// epilogue does not overlap its MMAs), two warps per scheduler, so its latency is what it costs. A per-logit `if`
+// (bias present, column inside N) made ptxas put every logit in its own branch with a convergence barrier, and
+// the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, eighth round). Here the
+// bias and the edge-column mask are template parameters chosen once per tile, the rows of a thread are reduced
+// side by side, and the only branch left is around the target logit (rows whose target falls in this tile).
 struct StatsPass {
   using Params = LogitTileStats;
   LogitTileStats stats;
@@ -37,12 +42,28 @@ struct StatsPass {
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                                  TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
                                  int thread_idx) const {
+    const int n0 = static_cast<int>(get<1>(tile_coord_mnkl)) * decltype(size<1>(tile_shape_MNK))::value;
+    const bool whole_columns = n0 + decltype(size<1>(tile_shape_MNK))::value <= static_cast<int>(get<1>(problem_shape_mnkl));
+    const bool bias = stats.bias != nullptr;
+    if (whole_columns && !bias) reduce<false, false>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
+    else if (whole_columns) reduce<false, true>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
+    else if (!bias) reduce<true, false>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
+    else reduce<true, true>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
+  }
+
+  // kMask: the tile reaches past column N (those accumulators are left out); kBias: a bias is added to each logit.
+  template <bool kMask, bool kBias, class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor,
+            class TiledMma>
+  CUTLASS_DEVICE void reduce(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                             TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
+                             int thread_idx) const {
     // acc: ((2 columns, 2 rows, TileN / 8 column groups), MMA_M, MMA_N), wgmma's F32 accumulator layout.
     static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
                       decltype(size<0, 1>(acc))::value == 2,
                   "StatsPass: not the wgmma accumulator layout");
     constexpr int kGroups = decltype(size<0, 2>(acc))::value;
     constexpr int kMmaM = decltype(size<1>(acc))::value, kMmaN = decltype(size<2>(acc))::value;
+    constexpr int kRows = 2 * kMmaM;  // rows this thread holds
     constexpr int kTileN = decltype(size<1>(tile_shape_MNK))::value;
     auto [M, N, K, L] = problem_shape_mnkl;
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
@@ -51,78 +72,84 @@ struct StatsPass {
     // (row, column) of every accumulator inside the tile.
     auto coords = tiled_mma.get_thread_slice(thread_idx)
                       .partition_C(make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK))));
-    const bool whole_columns = n0 + kTileN <= static_cast<int>(N);  // edge tiles mask columns >= N
-    const __nv_bfloat16* bias = stats.bias;
-    const bool writer = (thread_idx % 4) == 0;
+    auto at = [](int i, int c, int g, int mn) { return make_coord(make_coord(c, i % 2, g), i / 2, mn); };
+    auto column_of = [&](int c, int g, int mn) { return n0 + static_cast<int>(get<1>(coords(at(0, c, g, mn)))); };
+    auto logit = [&](int i, int c, int g, int mn) {
+      float z = acc(at(i, c, g, mn));
+      if constexpr (kBias) {
+        const int column = column_of(c, g, mn);
+        z += __bfloat162float(stats.bias[column < static_cast<int>(N) ? column : 0]);
+      }
+      return z;
+    };
+    auto inside = [&](int c, int g, int mn) { return !kMask || column_of(c, g, mn) < static_cast<int>(N); };
 
+    int row[kRows];
+    std::int64_t target[kRows];
+    float row_max[kRows], sum_exp[kRows], sum[kRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int mm = 0; mm < kMmaM; ++mm) {
+    for (int i = 0; i < kRows; ++i) {
+      row[i] = m0 + static_cast<int>(get<0>(coords(at(i, 0, 0, 0))));
+      // Loaded first: its latency hides behind the two passes.
+      target[i] = row[i] < static_cast<int>(M) ? stats.target[row[i]] : stats.ignore_index;
+      row_max[i] = -INFINITY;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i)
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        auto at = [&](int c, int g, int mn) { return make_coord(make_coord(c, r, g), mm, mn); };
-        const int row = m0 + static_cast<int>(get<0>(coords(at(0, 0, 0))));
-        // Loaded first: its latency hides behind the two passes.
-        const std::int64_t t = row < static_cast<int>(M) ? stats.target[row] : stats.ignore_index;
-        auto logit = [&](int c, int g, int mn, int& column) {
-          column = n0 + static_cast<int>(get<1>(coords(at(c, g, mn))));
-          float z = acc(at(c, g, mn));
-          if (bias != nullptr) z += __bfloat162float(bias[column < static_cast<int>(N) ? column : 0]);
-          return z;
-        };
-        float row_max = -INFINITY;
+      for (int mn = 0; mn < kMmaN; ++mn)
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < kGroups; ++g)
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 2; ++c)
+            row_max[i] = fmaxf(row_max[i], inside(c, g, mn) ? logit(i, c, g, mn) : -INFINITY);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
+      row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
+      sum_exp[i] = 0.0f;
+      sum[i] = 0.0f;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i)
+      CUTLASS_PRAGMA_UNROLL
+      for (int mn = 0; mn < kMmaN; ++mn)
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < kGroups; ++g)
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            const float z = logit(i, c, g, mn);
+            const float e = m::exp_(z - row_max[i]);  // computed everywhere, kept by a select: no branch
+            sum_exp[i] += inside(c, g, mn) ? e : 0.0f;
+            sum[i] += inside(c, g, mn) ? z : 0.0f;
+          }
+    const bool writer = (thread_idx % 4) == 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      double total = sum[i];
+      sum_exp[i] += __shfl_xor_sync(0xffffffffu, sum_exp[i], 1);
+      sum_exp[i] += __shfl_xor_sync(0xffffffffu, sum_exp[i], 2);
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      if (writer && row[i] < static_cast<int>(M)) {
+        const std::int64_t j = static_cast<std::int64_t>(n_tile) * stats.ld + row[i];
+        stats.tile_max[j] = row_max[i];
+        stats.tile_sum_exp[j] = sum_exp[i];
+        stats.tile_sum[j] = total;
+      }
+    }
+    // The target logit: one tile in the whole grid holds it, one thread of that tile writes it.
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const std::int64_t t = target[i];
+      if (row[i] < static_cast<int>(M) && t != stats.ignore_index && t >= n0 && t < n0 + kTileN) {
         CUTLASS_PRAGMA_UNROLL
         for (int mn = 0; mn < kMmaN; ++mn)
           CUTLASS_PRAGMA_UNROLL
           for (int g = 0; g < kGroups; ++g)
             CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              int column;
-              const float z = logit(c, g, mn, column);
-              if (whole_columns || column < static_cast<int>(N)) row_max = fmaxf(row_max, z);
-            }
-        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
-        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-
-        float sum_exp = 0.0f, sum = 0.0f;
-        CUTLASS_PRAGMA_UNROLL
-        for (int mn = 0; mn < kMmaN; ++mn)
-          CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < kGroups; ++g)
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              int column;
-              const float z = logit(c, g, mn, column);
-              if (whole_columns || column < static_cast<int>(N)) {
-                sum_exp += m::exp_(z - row_max);
-                sum += z;
-              }
-            }
-        double total = sum;
-        sum_exp += __shfl_xor_sync(0xffffffffu, sum_exp, 1);
-        sum_exp += __shfl_xor_sync(0xffffffffu, sum_exp, 2);
-        total += __shfl_xor_sync(0xffffffffu, total, 1);
-        total += __shfl_xor_sync(0xffffffffu, total, 2);
-        if (row >= static_cast<int>(M)) continue;
-
-        // The target logit: one tile in the whole grid holds it, one thread of that tile writes it.
-        if (t != stats.ignore_index && t >= n0 && t < n0 + kTileN) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int mn = 0; mn < kMmaN; ++mn)
-            CUTLASS_PRAGMA_UNROLL
-            for (int g = 0; g < kGroups; ++g)
-              CUTLASS_PRAGMA_UNROLL
-              for (int c = 0; c < 2; ++c) {
-                int column;
-                const float z = logit(c, g, mn, column);
-                if (column == t) stats.z_target[row] = z;
-              }
-        }
-        if (writer) {
-          const std::int64_t i = static_cast<std::int64_t>(n_tile) * stats.ld + row;
-          stats.tile_max[i] = row_max;
-          stats.tile_sum_exp[i] = sum_exp;
-          stats.tile_sum[i] = total;
-        }
+            for (int c = 0; c < 2; ++c)
+              if (column_of(c, g, mn) == t) stats.z_target[row[i]] = logit(i, c, g, mn);
       }
     }
   }
