@@ -92,9 +92,11 @@ struct Tuning {
   // (BENCHMARKS.md, 2026-12-03): a 2048 x 4096 bf16 x chunk (16 MiB) stays in L2 while the weight streams.
   std::int64_t forward_chunk_rows = 0;
   // promoted, V % 4 == 0, variant 0: the row statistics from the logits GEMM's epilogue (promoted_stats.h), so
-  // the forward writes no logits and the full step has no separate pass reading them. Off by default: on the
-  // H200 it measured slower than row_stats_kernel over stored logits (BENCHMARKS.md, second round).
-  bool epilogue_stats = false;
+  // the forward writes no logits and the full step has no separate pass reading them. forward (the default): the
+  // forward-only schedule, 1.11-1.12x its floor against 1.17-1.19x storing logits for row_stats_kernel; the full
+  // step stores its logits for dz anyway, and there the epilogue measured level with the separate pass (both on
+  // the H200, BENCHMARKS.md, eighth round). always: every schedule; never: row_stats_kernel everywhere.
+  enum class EpilogueStats { never, forward, always } epilogue_stats = EpilogueStats::forward;
   // The gradient GEMMs once per chunk over both of a three_pass chunk's parts (x rows gathered), so the fp32
   // grad_W accumulator is read and written once per chunk; false: once per part, as before (for comparing).
   bool gradient_gemms_per_chunk = true;

@@ -228,16 +228,18 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   auto rows_fitting = [&](const Layout& l) { return budget > l.fixed ? (budget - l.fixed) / l.per_row : 0; };
   // Tight budgets (Tuning::low_memory): below one pair's rows, the backward goes a vocabulary slice at a time
   // and the forward stores no logits (the epilogue statistics need 16 bytes per row and tile, not 4 per logit).
+  const bool epilogue_stats_asked = tuning.epilogue_stats == Tuning::EpilogueStats::always ||
+                                    (tuning.epilogue_stats == Tuning::EpilogueStats::forward && !gradients);
   const bool low_memory = epilogue_stats_run && tuning.low_memory != Tuning::LowMemory::never &&
                           (tuning.low_memory == Tuning::LowMemory::always ||
-                           rows_fitting(layout_for(tuning.epilogue_stats)) < 2 * T);
+                           rows_fitting(layout_for(epilogue_stats_asked)) < 2 * T);
   report_.vocab_slice_columns = report_.vocab_slices = report_.block_rows = report_.row_blocks = 0;
   if (gradients && low_memory) {
     const SlicedLayout sliced = sliced_layout(s, std::max<std::int64_t>(budget, 0), promoted_stats_tiles(V),
                                               /*grad_w_slice=*/g->grad_weight == nullptr);
     if (sliced.fits()) return run_low_memory(p, *g, options, tuning);
   }
-  const bool epilogue_stats = epilogue_stats_run && (tuning.epilogue_stats || (!gradients && low_memory));
+  const bool epilogue_stats = epilogue_stats_run && (epilogue_stats_asked || (!gradients && low_memory));
   Layout layout = layout_for(epilogue_stats);
   const std::int64_t rows_that_fit = rows_fitting(layout);
 

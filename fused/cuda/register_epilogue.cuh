@@ -89,7 +89,11 @@ struct RegisterEpilogue : Base {
                             TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared_tensors,
                             int subtile_idx = -1) {
     pass(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx);
-    return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
+    // No output (ElementD void, no C): the pass was the whole epilogue. CUTLASS's loop would still walk the
+    // epilogue subtiles with two barriers of the consumer warps each, and nothing is loaded or stored, so the
+    // pipeline states go back unchanged.
+    if constexpr (cute::is_void_v<typename Base::ElementD>) return cute::make_tuple(load_state, store_state);
+    else return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
                        tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors, subtile_idx);
   }
 };
@@ -108,9 +112,14 @@ struct RegisterEpilogueGemm {
   using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<EpilogueParams<Params>, cutlass::epilogue::fusion::Sm90AccFetch>;
 
+  // With no output CUTLASS still reserves shared memory for two fp32 epilogue subtiles (32 KiB at its automatic
+  // 128x32), which nothing uses (RegisterEpilogue::store skips the store loop); a 128x16 subtile (16 KiB) leaves the
+  // mainloop room for a fifth 40 KiB stage.
+  using EpilogueTile = cute::conditional_t<cute::is_void_v<ElementD>, cute::Shape<cute::_128, cute::_16>,
+                                           cutlass::epilogue::collective::EpilogueTileAuto>;
   using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlignD, ElementD, LayoutD,
+      EpilogueTile, float, float, void, LayoutD, kAlignD, ElementD, LayoutD,
       kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative, Callbacks>::CollectiveOp;
   using Epilogue = RegisterEpilogue<StockEpilogue, Pass>;
 

@@ -162,9 +162,11 @@ int main(int argc, char** argv) {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.gradient_gemms_per_chunk = false;
       tuned = true;
-    } else if (a == "--no-epilogue-stats" || a == "--epilogue-stats") {
+    } else if (a == "--no-epilogue-stats" || a == "--epilogue-stats" || a == "--epilogue-stats-forward") {
       if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.epilogue_stats = a == "--epilogue-stats";
+      tuning.epilogue_stats = a == "--epilogue-stats"           ? Tuning::EpilogueStats::always
+                              : a == "--epilogue-stats-forward" ? Tuning::EpilogueStats::forward
+                                                                : Tuning::EpilogueStats::never;
       tuned = true;
     } else if (a == "--low-memory") {
       if (!tuned) tuning = tuning_for(H, Options{});
@@ -195,7 +197,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
-                   "                  [--forward-chunk-rows n (0: as the budget allows)] [--epilogue-stats | --no-epilogue-stats] [--gemms-per-part]\n"
+                   "                  [--forward-chunk-rows n (0: as the budget allows)] [--gemms-per-part]\n"
+                   "                  [--epilogue-stats (every schedule) | --epilogue-stats-forward (the default) | --no-epilogue-stats]\n"
                    "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels] [--block-timing]\n"
                    "                  [--low-memory always|never|auto (the vocabulary-sliced schedule; auto: when the budget\n"
                    "                   cannot hold one pair's rows)]\n"
@@ -211,7 +214,11 @@ int main(int argc, char** argv) {
           ? std::string("promoted GEMM (") + promoted_variant_name(tuning.promoted.variant) + ") every " +
                 std::to_string(tuning.promotion_k) + " k, swizzle " + std::to_string(tuning.promoted.swizzle) +
                 ", forward chunks <= " + std::to_string(tuning.forward_chunk_rows) + " rows, statistics " +
-                (tuning.epilogue_stats && tuning.promoted.variant == 0 ? "in the GEMM epilogue" : "by row_stats_kernel") +
+                (tuning.promoted.variant != 0 || tuning.epilogue_stats == Tuning::EpilogueStats::never
+                     ? "by row_stats_kernel"
+                 : tuning.epilogue_stats == Tuning::EpilogueStats::always
+                     ? "in the GEMM epilogue"
+                     : "in the GEMM epilogue (forward), by row_stats_kernel (full step)") +
                 (tuning.gradient_gemms_per_chunk ? ", gradient GEMMs per chunk" : ", gradient GEMMs per part")
           : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
   const std::string grad_weight_path =

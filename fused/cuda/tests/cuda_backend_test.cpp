@@ -81,7 +81,8 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
         tuning.logits = cuda::Tuning::Logits::promoted;
         tuning.promotion_k = promotion_k;
         tuning.promoted.variant = variant;
-        tuning.epilogue_stats = false;  // the variant computes the logits; the statistics: row_stats_kernel
+        // the variant computes the logits; the statistics: row_stats_kernel
+        tuning.epilogue_stats = cuda::Tuning::EpilogueStats::never;
         const TensorMap out = cuda::compute(problem, cuda_options(), tuning);
         expect_meets_bar(out, exact, spec.logit_scale);
       }
@@ -122,8 +123,9 @@ TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
           cuda::Tuning with = cuda::tuning_for(shape.H, options), without = with;
           ASSERT_EQ(with.logits, cuda::Tuning::Logits::promoted);
           with.promotion_k = without.promotion_k = promotion_k;
-          with.epilogue_stats = true;
-          without.epilogue_stats = false;  // and the gradient GEMMs a part at a time: the previous path
+          with.epilogue_stats = cuda::Tuning::EpilogueStats::always;
+          // and the gradient GEMMs a part at a time: the previous path
+          without.epilogue_stats = cuda::Tuning::EpilogueStats::never;
           without.gradient_gemms_per_chunk = false;
           const TensorMap out = cuda::compute(problem, options, with);
           expect_meets_bar(out, gradients ? exact : exact_forward, spec.logit_scale);
