@@ -82,6 +82,7 @@ Tuning tuning_for(std::int64_t H, const Options& options) {
     tuning.logits = Tuning::Logits::promoted;
     tuning.promotion_k = std::max(promoted_k_granule, options.logits_k_slice / promoted_k_granule * promoted_k_granule);
     tuning.forward_chunk_rows = 2048;
+    tuning.forward_stats_chunk_rows = 4096;
     return tuning;
   }
   tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));

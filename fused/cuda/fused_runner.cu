@@ -280,9 +280,9 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
                      std::to_string(layout.per_row) + " per row)");
   Options plan_options = options;
   plan_options.gradients = gradients;
-  if (!gradients && tuning.forward_chunk_rows > 0)
-    plan_options.max_chunk_rows = options.max_chunk_rows > 0 ? std::min(options.max_chunk_rows, tuning.forward_chunk_rows)
-                                                             : tuning.forward_chunk_rows;
+  const std::int64_t forward_cap = epilogue_stats ? tuning.forward_stats_chunk_rows : tuning.forward_chunk_rows;
+  if (!gradients && forward_cap > 0)
+    plan_options.max_chunk_rows = options.max_chunk_rows > 0 ? std::min(options.max_chunk_rows, forward_cap) : forward_cap;
   report_.schedule = plan_rows(s, rows_that_fit, plan_options);
   report_.schedule.bytes_per_row = layout.per_row;
   place_chunk_buffers(layout, s, report_.schedule.max_rows(), gradients);

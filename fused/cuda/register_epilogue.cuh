@@ -112,10 +112,11 @@ struct RegisterEpilogueGemm {
   using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<EpilogueParams<Params>, cutlass::epilogue::fusion::Sm90AccFetch>;
 
-  // With no output CUTLASS still reserves shared memory for two fp32 epilogue subtiles (32 KiB at its automatic
-  // 128x32), which nothing uses (RegisterEpilogue::store skips the store loop); a 128x16 subtile (16 KiB) leaves the
-  // mainloop room for a fifth 40 KiB stage.
-  using EpilogueTile = cute::conditional_t<cute::is_void_v<ElementD>, cute::Shape<cute::_128, cute::_16>,
+  // fp32 or no output: subtiles of 128x16, 16 KiB of epilogue shared memory for two (CUTLASS's automatic 128x32
+  // takes 32 KiB, and reserves it even with no output, which RegisterEpilogue::store then never stores), so the
+  // mainloop gets a fifth 40 KiB stage. bf16 (dz): the automatic subtile, which already leaves room for five.
+  using EpilogueTile = cute::conditional_t<sizeof(cute::conditional_t<cute::is_void_v<ElementD>, float, ElementD>) == 4,
+                                           cute::Shape<cute::_128, cute::_16>,
                                            cutlass::epilogue::collective::EpilogueTileAuto>;
   using StockEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,

@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
       tuned = true;
     } else if (a == "--forward-chunk-rows") {
       if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.forward_chunk_rows = next();
+      tuning.forward_chunk_rows = tuning.forward_stats_chunk_rows = next();
       tuned = true;
     }
     else {
@@ -213,7 +213,8 @@ int main(int argc, char** argv) {
       tuning.logits == Tuning::Logits::promoted
           ? std::string("promoted GEMM (") + promoted_variant_name(tuning.promoted.variant) + ") every " +
                 std::to_string(tuning.promotion_k) + " k, swizzle " + std::to_string(tuning.promoted.swizzle) +
-                ", forward chunks <= " + std::to_string(tuning.forward_chunk_rows) + " rows, statistics " +
+                ", forward chunks <= " + std::to_string(tuning.forward_chunk_rows) + " rows (" +
+                std::to_string(tuning.forward_stats_chunk_rows) + " with the epilogue statistics), statistics " +
                 (tuning.promoted.variant != 0 || tuning.epilogue_stats == Tuning::EpilogueStats::never
                      ? "by row_stats_kernel"
                  : tuning.epilogue_stats == Tuning::EpilogueStats::always
