@@ -41,26 +41,19 @@ struct DzPass {
   template <bool kBias, class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
   CUTLASS_DEVICE void rewrite(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                               TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma, int thread_idx) const {
-    // acc: ((2 columns, 2 rows, TileN / 8 column groups), MMA_M, MMA_N), wgmma's F32 accumulator layout.
-    static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
-                      decltype(size<0, 1>(acc))::value == 2,
-                  "DzPass: not the wgmma accumulator layout");
-    constexpr int kGroups = decltype(size<0, 2>(acc))::value;
-    constexpr int kMmaM = decltype(size<1>(acc))::value, kMmaN = decltype(size<2>(acc))::value;
-    constexpr int kRows = 2 * kMmaM;  // rows this thread holds
+    constexpr int kRows = accumulator_rows<AccTensor>;
     auto [M, N, K, L] = problem_shape_mnkl;
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
     const int m0 = static_cast<int>(m_tile) * decltype(size<0>(tile_shape_MNK))::value;
     const int n0 = static_cast<int>(n_tile) * decltype(size<1>(tile_shape_MNK))::value;
     auto coords = tiled_mma.get_thread_slice(thread_idx)
                       .partition_C(make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK))));
-    auto at = [](int i, int c, int g, int mn) { return make_coord(make_coord(c, i % 2, g), i / 2, mn); };
 
     float k[kRows], shift[kRows], row_lse[kRows];
     std::int64_t t[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      const int row = m0 + static_cast<int>(get<0>(coords(at(i, 0, 0, 0))));
+      const int row = m0 + static_cast<int>(get<0>(coords(accumulator_at(i, 0, 0, 0))));
       const std::int64_t global = dz.row_begin + (row < static_cast<int>(M) ? row : static_cast<int>(M) - 1);
       k[i] = dz.row_k[global];
       shift[i] = dz.row_max[global];
@@ -68,22 +61,15 @@ struct DzPass {
       // The target's column in this GEMM (maybe outside it): 0 there, its value is target_coef's.
       t[i] = dz.target[global] - dz.column_begin;
     }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i)
-      CUTLASS_PRAGMA_UNROLL
-      for (int mn = 0; mn < kMmaN; ++mn)
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < kGroups; ++g)
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < 2; ++c) {
-            const int column = n0 + static_cast<int>(get<1>(coords(at(0, c, g, mn))));
-            float z = acc(at(i, c, g, mn));
-            if constexpr (kBias) z += __bfloat162float(dz.bias[column < static_cast<int>(N) ? column : 0]);
-            const float gradient = m::softmax_gradient(k[i], z - shift[i], row_lse[i]);
-            // k == 0 (ignored rows, empty sequences): a zero row, as in dz_kernel (the select also drops the
-            // exponential's value there, whatever the row's statistics are)
-            acc(at(i, c, g, mn)) = (k[i] == 0.0f || column == t[i]) ? 0.0f : gradient;
-          }
+    for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
+      const int column = n0 + static_cast<int>(get<1>(coords(accumulator_at(0, c, g, mn))));
+      float z = acc(accumulator_at(i, c, g, mn));
+      if constexpr (kBias) z += __bfloat162float(dz.bias[column < static_cast<int>(N) ? column : 0]);
+      const float gradient = m::softmax_gradient(k[i], z - shift[i], row_lse[i]);
+      // k == 0 (ignored rows, empty sequences): a zero row, as in dz_kernel (the select also drops the
+      // exponential's value there, whatever the row's statistics are)
+      acc(accumulator_at(i, c, g, mn)) = (k[i] == 0.0f || column == t[i]) ? 0.0f : gradient;
+    });
   }
 };
 

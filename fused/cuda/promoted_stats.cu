@@ -57,13 +57,7 @@ struct StatsPass {
   CUTLASS_DEVICE void reduce(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                              TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
                              int thread_idx) const {
-    // acc: ((2 columns, 2 rows, TileN / 8 column groups), MMA_M, MMA_N), wgmma's F32 accumulator layout.
-    static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
-                      decltype(size<0, 1>(acc))::value == 2,
-                  "StatsPass: not the wgmma accumulator layout");
-    constexpr int kGroups = decltype(size<0, 2>(acc))::value;
-    constexpr int kMmaM = decltype(size<1>(acc))::value, kMmaN = decltype(size<2>(acc))::value;
-    constexpr int kRows = 2 * kMmaM;  // rows this thread holds
+    constexpr int kRows = accumulator_rows<AccTensor>;
     constexpr int kTileN = decltype(size<1>(tile_shape_MNK))::value;
     auto [M, N, K, L] = problem_shape_mnkl;
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
@@ -72,10 +66,11 @@ struct StatsPass {
     // (row, column) of every accumulator inside the tile.
     auto coords = tiled_mma.get_thread_slice(thread_idx)
                       .partition_C(make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK))));
-    auto at = [](int i, int c, int g, int mn) { return make_coord(make_coord(c, i % 2, g), i / 2, mn); };
-    auto column_of = [&](int c, int g, int mn) { return n0 + static_cast<int>(get<1>(coords(at(0, c, g, mn)))); };
+    auto column_of = [&](int c, int g, int mn) {
+      return n0 + static_cast<int>(get<1>(coords(accumulator_at(0, c, g, mn))));
+    };
     auto logit = [&](int i, int c, int g, int mn) {
-      float z = acc(at(i, c, g, mn));
+      float z = acc(accumulator_at(i, c, g, mn));
       if constexpr (kBias) {
         const int column = column_of(c, g, mn);
         z += __bfloat162float(stats.bias[column < static_cast<int>(N) ? column : 0]);
@@ -89,40 +84,26 @@ struct StatsPass {
     float row_max[kRows], sum_exp[kRows], sum[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      row[i] = m0 + static_cast<int>(get<0>(coords(at(i, 0, 0, 0))));
+      row[i] = m0 + static_cast<int>(get<0>(coords(accumulator_at(i, 0, 0, 0))));
       // Loaded first: its latency hides behind the two passes.
       target[i] = row[i] < static_cast<int>(M) ? stats.target[row[i]] : stats.ignore_index;
       row_max[i] = -INFINITY;
+      sum_exp[i] = sum[i] = 0.0f;
     }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i)
-      CUTLASS_PRAGMA_UNROLL
-      for (int mn = 0; mn < kMmaN; ++mn)
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < kGroups; ++g)
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < 2; ++c)
-            row_max[i] = fmaxf(row_max[i], inside(c, g, mn) ? logit(i, c, g, mn) : -INFINITY);
+    for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
+      row_max[i] = fmaxf(row_max[i], inside(c, g, mn) ? logit(i, c, g, mn) : -INFINITY);
+    });
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
       row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
-      sum_exp[i] = 0.0f;
-      sum[i] = 0.0f;
     }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i)
-      CUTLASS_PRAGMA_UNROLL
-      for (int mn = 0; mn < kMmaN; ++mn)
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < kGroups; ++g)
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < 2; ++c) {
-            const float z = logit(i, c, g, mn);
-            const float e = m::exp_(z - row_max[i]);  // computed everywhere, kept by a select: no branch
-            sum_exp[i] += inside(c, g, mn) ? e : 0.0f;
-            sum[i] += inside(c, g, mn) ? z : 0.0f;
-          }
+    for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
+      const float z = logit(i, c, g, mn);
+      const float e = m::exp_(z - row_max[i]);  // computed everywhere, kept by a select: no branch
+      sum_exp[i] += inside(c, g, mn) ? e : 0.0f;
+      sum[i] += inside(c, g, mn) ? z : 0.0f;
+    });
     const bool writer = (thread_idx % 4) == 0;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -142,15 +123,10 @@ struct StatsPass {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const std::int64_t t = target[i];
-      if (row[i] < static_cast<int>(M) && t != stats.ignore_index && t >= n0 && t < n0 + kTileN) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int mn = 0; mn < kMmaN; ++mn)
-          CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < kGroups; ++g)
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 2; ++c)
-              if (column_of(c, g, mn) == t) stats.z_target[row[i]] = logit(i, c, g, mn);
-      }
+      if (row[i] < static_cast<int>(M) && t != stats.ignore_index && t >= n0 && t < n0 + kTileN)
+        for_each_accumulator(acc, [&](int j, int c, int g, int mn) {
+          if (j == i && column_of(c, g, mn) == t) stats.z_target[row[i]] = logit(i, c, g, mn);
+        });
     }
   }
 };

@@ -24,6 +24,7 @@
 #include "fused/cuda/promoted_mainloop.cuh"
 
 #include <string>
+#include <utility>
 
 namespace simpo::fused::cuda {
 
@@ -97,6 +98,33 @@ struct RegisterEpilogue : Base {
                        tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors, subtile_idx);
   }
 };
+
+// A pass's view of the accumulator tile a thread holds, in wgmma's F32 layout ((2 columns, 2 rows, TileN / 8 column
+// groups), MMA_M, MMA_N): the thread holds 2 MMA_M rows (row i of them: the 2-row pair i % 2 of M block i / 2) and
+// the same columns in each. accumulator_at(i, c, g, mn) is the coordinate of one accumulator; for_each_accumulator
+// calls f(i, c, g, mn) for every one, unrolled, rows outermost.
+CUTLASS_HOST_DEVICE auto accumulator_at(int i, int c, int g, int mn) {
+  return cute::make_coord(cute::make_coord(c, i % 2, g), i / 2, mn);
+}
+template <class AccTensor>
+inline constexpr int accumulator_rows = 2 * decltype(cute::size<1>(std::declval<AccTensor>()))::value;
+
+template <class AccTensor, class F>
+CUTLASS_DEVICE void for_each_accumulator(AccTensor const& acc, F&& f) {
+  using namespace cute;
+  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2 &&
+                    decltype(size<0, 1>(acc))::value == 2,
+                "not the wgmma F32 accumulator layout");
+  constexpr int kGroups = decltype(size<0, 2>(acc))::value, kMmaN = decltype(size<2>(acc))::value;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < accumulator_rows<AccTensor>; ++i)
+    CUTLASS_PRAGMA_UNROLL
+    for (int mn = 0; mn < kMmaN; ++mn)
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kGroups; ++g)
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 2; ++c) f(i, c, g, mn);
+}
 
 // out[rows, ld_out] of ElementD (void: no output) = what the pass leaves of x weight^T, kAlignD elements (16
 // bytes) the store's unit.
