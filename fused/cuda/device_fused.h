@@ -92,8 +92,9 @@ struct Tuning {
   // (BENCHMARKS.md, 2026-12-03): a 2048 x 4096 bf16 x chunk (16 MiB) stays in L2 while the weight streams.
   std::int64_t forward_chunk_rows = 0;
   // The same cap where the forward takes its statistics from the epilogue (no logits stored): W is read once per
-  // chunk and a 4096-row x chunk (32 MiB) still fits L2, so taller chunks pay (1.07-1.08x against 1.09-1.11x with
-  // 2048 rows at B = 4..16 on the H200, BENCHMARKS.md, eighth round). 0: as tall as the budget allows.
+  // chunk and a 4096-row x chunk (32 MiB at H = 4096) still fits L2, so taller chunks pay (1.07-1.08x against
+  // 1.09-1.11x with 2048 rows at B = 4..16 on the H200, BENCHMARKS.md, eighth round); tuning_for keeps the chunk's
+  // x within 32 MiB for other H. 0: as tall as the budget allows.
   std::int64_t forward_stats_chunk_rows = 0;
   // promoted, V % 4 == 0, variant 0: the row statistics from the logits GEMM's epilogue (promoted_stats.h), so
   // the forward writes no logits and the full step has no separate pass reading them. forward (the default): the
