@@ -105,6 +105,9 @@ struct Tuning {
   // The gradient GEMMs once per chunk over both of a three_pass chunk's parts (x rows gathered), so the fp32
   // grad_W accumulator is read and written once per chunk; false: once per part, as before (for comparing).
   bool gradient_gemms_per_chunk = true;
+  // With it, the logits GEMM too runs once over a three_pass chunk's gathered rows rather than once per part: W
+  // is read once per chunk, and one 2048-row GEMM ends in one partial wave of tiles instead of two 1024-row ones.
+  bool logits_gemm_per_chunk = true;
   // A bf16 grad_weight output accumulates in the bf16 hi/lo pair (hilo_gemm.h) where it can run (sm_90 with
   // CUTLASS, H % 8 == 0): half the memory of the fp32 accumulator, same traffic. false: the fp32 accumulator
   // everywhere (for comparing). hilo_variant: hilo_gemm.h's compiled tile/schedule.

@@ -326,7 +326,45 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   };
   // with_stats: the pass that produces the row statistics; store: whether dz will read this chunk's logits
   // (only the epilogue statistics can skip storing them: row_stats_kernel reads them).
-  auto logits_of = [&](const Chunk& c, bool with_stats, bool store) {
+  // A three_pass chunk's x rows (two parts) copied together into x_rows, where both the logits GEMM and the weight
+  // GEMM take them: one GEMM of the chunk's rows instead of one per part (W read once per chunk, not twice).
+  auto gather_x = [&](const Chunk& c) -> const __nv_bfloat16* {
+    if (c.part_count == 1) return p.x + c.parts[0].begin * ld_h;
+    std::int64_t offset = 0;
+    for (int i = 0; i < c.part_count; ++i) {
+      SIMPO_CUDA_CHECK(cudaMemcpyAsync(x_rows + offset * ld_h, p.x + c.parts[i].begin * ld_h,
+                                       c.parts[i].rows() * ld_h * 2, cudaMemcpyDeviceToDevice, stream_));
+      offset += c.parts[i].rows();
+    }
+    return x_rows;
+  };
+  // The logits of `rows` rows of x (ld_h) into the chunk's buffer from row `offset`: the promoted GEMM over whole
+  // groups of 4 fp32 columns, the last V % 4 through cuBLAS, cut along k as often as the promotion, so they carry
+  // the same small bias.
+  auto logits_rows = [&](std::int64_t rows, const __nv_bfloat16* x_rows_at, std::int64_t offset) {
+    float* out = logits + offset * ld_v;
+    const std::int64_t V4 = tuning.logits == Tuning::Logits::promoted ? V / 4 * 4 : 0;
+    if (V4 > 0)
+      promoted_logits(rows, V4, ld_h, x_rows_at, p.weight, out, ld_v, tuning.promotion_k, stream_,
+                      base + layout.gemm, static_cast<std::size_t>(gemm_bytes_), tuning.promoted);
+    const int tail_splits = V4 == 0 ? tuning.logits_k_splits
+                            : tuning.promotion_k > 0
+                                ? static_cast<int>((ld_h + tuning.promotion_k - 1) / tuning.promotion_k)
+                                : 1;
+    if (V4 < V) gemms_->logits(rows, V - V4, ld_h, x_rows_at, p.weight + V4 * ld_h, out + V4, ld_v, tail_splits);
+  };
+  // x_chunk: the chunk's rows gathered (gather_x) for one GEMM over them all (Tuning::logits_gemm_per_chunk), or
+  // nullptr for a GEMM per part.
+  auto logits_of = [&](const Chunk& c, bool with_stats, bool store, const __nv_bfloat16* x_chunk = nullptr) {
+    if (x_chunk != nullptr && !(with_stats && epilogue_stats)) {
+      logits_rows(c.rows(), x_chunk, 0);
+      std::int64_t offset = 0;
+      for (int i = 0; with_stats && i < c.part_count; ++i) {
+        launch_row_stats(part_logits(c.parts[i], offset), row_max, lse, z_target, rowsum, stream_);
+        offset += c.parts[i].rows();
+      }
+      return;
+    }
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
@@ -351,18 +389,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
         offset += part.rows();
         continue;
       }
-      // The promoted GEMM stores whole groups of 4 fp32 columns; the last V % 4 go through cuBLAS, cut along k
-      // as often as the promotion, so they carry the same small bias.
-      const std::int64_t V4 = tuning.logits == Tuning::Logits::promoted ? V / 4 * 4 : 0;
-      if (V4 > 0)
-        promoted_logits(part.rows(), V4, ld_h, x_part, p.weight, logits_part, ld_v, tuning.promotion_k, stream_,
-                        base + layout.gemm, static_cast<std::size_t>(gemm_bytes_), tuning.promoted);
-      const int tail_splits = V4 == 0 ? tuning.logits_k_splits
-                              : tuning.promotion_k > 0
-                                  ? static_cast<int>((ld_h + tuning.promotion_k - 1) / tuning.promotion_k)
-                                  : 1;
-      if (V4 < V)
-        gemms_->logits(part.rows(), V - V4, ld_h, x_part, p.weight + V4 * ld_h, logits_part + V4, ld_v, tail_splits);
+      logits_rows(part.rows(), x_part, offset);
       if (with_stats) launch_row_stats(part_logits(part, offset), row_max, lse, z_target, rowsum, stream_);
       offset += part.rows();
     }
@@ -371,7 +398,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   // (chosen rows, rejected rows) would otherwise read and write the whole fp32 grad_W accumulator twice. The
   // weight GEMM wants the chunk's x rows contiguous, so two parts' rows are first copied together (16 MiB for
   // 2048 rows at H = 4096, against 4 GiB of accumulator traffic saved). `at`: the chunk's first buffer row.
-  auto backward_rows = [&](const Chunk& c, std::int64_t at) {
+  auto backward_rows = [&](const Chunk& c, std::int64_t at, const __nv_bfloat16* x_chunk) {
     const std::int64_t rows = c.rows();
     __nv_bfloat16* dz_rows = dz + at * ld_dz;
     float* gx_rows = grad_x_part + at * ld_h;
@@ -382,16 +409,6 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       offset += c.parts[i].rows();
     }
     gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows);
-    const __nv_bfloat16* x_chunk = p.x + c.parts[0].begin * ld_h;
-    if (c.part_count > 1) {
-      offset = 0;
-      for (int i = 0; i < c.part_count; ++i) {
-        SIMPO_CUDA_CHECK(cudaMemcpyAsync(x_rows + offset * ld_h, p.x + c.parts[i].begin * ld_h,
-                                         c.parts[i].rows() * ld_h * 2, cudaMemcpyDeviceToDevice, stream_));
-        offset += c.parts[i].rows();
-      }
-      x_chunk = x_rows;
-    }
     if (hi) {
       // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
       // term, per target once, after both (each reads and writes the pair).
@@ -422,13 +439,15 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     }
     if (g->grad_bias) launch_bias_column_sums(dz_rows, ld_dz, rows, V, g->grad_bias, stream_);
   };
-  auto backward_of = [&](const Chunk& c) {
-    if (tuning.gradient_gemms_per_chunk || c.part_count == 1) return backward_rows(c, 0);
+  // x_chunk: the chunk's rows gathered, or nullptr (gathered here when the gradient GEMMs take the whole chunk).
+  auto backward_of = [&](const Chunk& c, const __nv_bfloat16* x_chunk) {
+    if (tuning.gradient_gemms_per_chunk || c.part_count == 1)
+      return backward_rows(c, 0, x_chunk != nullptr ? x_chunk : gather_x(c));
     std::int64_t at = 0;
     for (int i = 0; i < c.part_count; ++i) {  // Tuning::gradient_gemms_per_chunk = false: a part at a time
       Chunk one;
       one.parts[0] = c.parts[i];
-      backward_rows(one, at);
+      backward_rows(one, at, gather_x(one));
       at += c.parts[i].rows();
     }
   };
@@ -442,9 +461,11 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   switch (schedule.mode) {
     case Mode::three_pass:
       for (const Chunk& c : schedule.chunks) {
-        logits_of(c, /*with_stats=*/true, /*store=*/true);
+        const __nv_bfloat16* x_chunk =
+            tuning.logits_gemm_per_chunk && tuning.gradient_gemms_per_chunk ? gather_x(c) : nullptr;
+        logits_of(c, /*with_stats=*/true, /*store=*/true, x_chunk);
         pair_math(c.pair_begin, c.pair_end);
-        backward_of(c);
+        backward_of(c, x_chunk);
       }
       break;
     case Mode::two_pass:
@@ -452,7 +473,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       pair_math(0, P);
       for (const Chunk& c : schedule.chunks) {
         logits_of(c, /*with_stats=*/false, true);  // recomputed: the budget could not keep a whole pair's logits
-        backward_of(c);
+        backward_of(c, nullptr);
       }
       break;
     case Mode::forward_only:

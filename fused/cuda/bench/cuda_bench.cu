@@ -158,9 +158,10 @@ int main(int argc, char** argv) {
       tuning.promoted.swizzle = static_cast<int>(next());
       tuned = true;
     } else if (a == "--max-chunk-rows") max_chunk_rows = next();
-    else if (a == "--gemms-per-part") {
+    else if (a == "--gemms-per-part" || a == "--logits-per-part") {
       if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.gradient_gemms_per_chunk = false;
+      if (a == "--gemms-per-part") tuning.gradient_gemms_per_chunk = false;
+      tuning.logits_gemm_per_chunk = false;
       tuned = true;
     } else if (a == "--no-epilogue-stats" || a == "--epilogue-stats" || a == "--epilogue-stats-forward") {
       if (!tuned) tuning = tuning_for(H, Options{});
@@ -197,7 +198,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
                    "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
-                   "                  [--forward-chunk-rows n (0: as the budget allows)] [--gemms-per-part]\n"
+                   "                  [--forward-chunk-rows n (0: as the budget allows)] [--gemms-per-part | --logits-per-part]\n"
                    "                  [--epilogue-stats (every schedule) | --epilogue-stats-forward (the default) | --no-epilogue-stats]\n"
                    "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels] [--block-timing]\n"
                    "                  [--low-memory always|never|auto (the vocabulary-sliced schedule; auto: when the budget\n"
@@ -220,7 +221,9 @@ int main(int argc, char** argv) {
                  : tuning.epilogue_stats == Tuning::EpilogueStats::always
                      ? "in the GEMM epilogue"
                      : "in the GEMM epilogue (forward), by row_stats_kernel (full step)") +
-                (tuning.gradient_gemms_per_chunk ? ", gradient GEMMs per chunk" : ", gradient GEMMs per part")
+                (tuning.gradient_gemms_per_chunk ? ", gradient GEMMs per chunk" : ", gradient GEMMs per part") +
+                (tuning.logits_gemm_per_chunk && tuning.gradient_gemms_per_chunk ? ", logits GEMM per chunk"
+                                                                                 : ", logits GEMM per part")
           : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
   const std::string grad_weight_path =
       tuning.hilo_grad_weight && hilo_gemm_available() && H % 8 == 0
