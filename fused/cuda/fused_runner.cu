@@ -324,8 +324,6 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   auto part_logits = [&](const RowRange& part, std::int64_t offset) {
     return LogitRows{logits + offset * ld_v, ld_v, part.rows(), part.begin, V, p.bias, p.target, hp.ignore_index};
   };
-  // with_stats: the pass that produces the row statistics; store: whether dz will read this chunk's logits
-  // (only the epilogue statistics can skip storing them: row_stats_kernel reads them).
   // A three_pass chunk's x rows (two parts) copied together into x_rows, where both the logits GEMM and the weight
   // GEMM take them: one GEMM of the chunk's rows instead of one per part (W read once per chunk, not twice).
   auto gather_x = [&](const Chunk& c) -> const __nv_bfloat16* {
@@ -353,8 +351,9 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
                                 : 1;
     if (V4 < V) gemms_->logits(rows, V - V4, ld_h, x_rows_at, p.weight + V4 * ld_h, out + V4, ld_v, tail_splits);
   };
-  // x_chunk: the chunk's rows gathered (gather_x) for one GEMM over them all (Tuning::logits_gemm_per_chunk), or
-  // nullptr for a GEMM per part.
+  // with_stats: the pass that produces the row statistics; store: whether dz will read this chunk's logits
+  // (only the epilogue statistics can skip storing them: row_stats_kernel reads them); x_chunk: the chunk's rows
+  // gathered (gather_x) for one GEMM over them all (Tuning::logits_gemm_per_chunk), or nullptr for a GEMM per part.
   auto logits_of = [&](const Chunk& c, bool with_stats, bool store, const __nv_bfloat16* x_chunk = nullptr) {
     if (x_chunk != nullptr && !(with_stats && epilogue_stats)) {
       logits_rows(c.rows(), x_chunk, 0);
@@ -396,8 +395,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   };
   // dz per part, then each gradient GEMM once per chunk over all its rows: a three_pass chunk's two parts
   // (chosen rows, rejected rows) would otherwise read and write the whole fp32 grad_W accumulator twice. The
-  // weight GEMM wants the chunk's x rows contiguous, so two parts' rows are first copied together (16 MiB for
-  // 2048 rows at H = 4096, against 4 GiB of accumulator traffic saved). `at`: the chunk's first buffer row.
+  // weight GEMM wants the chunk's x rows contiguous: x_chunk, two parts' rows copied together by gather_x (16 MiB
+  // for 2048 rows at H = 4096, against 4 GiB of accumulator traffic saved). `at`: the chunk's first buffer row.
   auto backward_rows = [&](const Chunk& c, std::int64_t at, const __nv_bfloat16* x_chunk) {
     const std::int64_t rows = c.rows();
     __nv_bfloat16* dz_rows = dz + at * ld_dz;
