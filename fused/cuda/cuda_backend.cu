@@ -84,7 +84,8 @@ Tuning tuning_for(std::int64_t H, const Options& options) {
     tuning.forward_chunk_rows = 2048;
     // Up to 4096 rows while the chunk's x stays within 32 MiB (H = 4096: 4096 rows), so it stays in L2 while W
     // streams past it.
-    tuning.forward_stats_chunk_rows = std::clamp<std::int64_t>((std::int64_t{32} << 20) / (2 * std::max<std::int64_t>(H, 1)) / 128 * 128, 128, 4096);
+    const std::int64_t x_rows_in_32_mib = (std::int64_t{32} << 20) / (2 * std::max<std::int64_t>(H, 1));
+    tuning.forward_stats_chunk_rows = std::clamp<std::int64_t>(x_rows_in_32_mib / 128 * 128, 128, 4096);
     return tuning;
   }
   tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));

@@ -98,7 +98,8 @@ struct Tuning {
   std::int64_t forward_stats_chunk_rows = 0;
   // promoted, V % 4 == 0, variant 0: the row statistics from the logits GEMM's epilogue (promoted_stats.h), so
   // the forward writes no logits and the full step has no separate pass reading them. forward (the default): the
-  // forward-only schedule, 1.11-1.12x its floor against 1.17-1.19x storing logits for row_stats_kernel; the full
+  // forward-only schedule, 1.07-1.08x its floor (with forward_stats_chunk_rows) against 1.17-1.19x storing logits
+  // for row_stats_kernel; the full
   // step stores its logits for dz anyway, and there the epilogue measured level with the separate pass (both on
   // the H200, BENCHMARKS.md, eighth round). always: every schedule; never: row_stats_kernel everywhere.
   enum class EpilogueStats { never, forward, always } epilogue_stats = EpilogueStats::forward;
