@@ -69,6 +69,7 @@ struct RunReport {
   std::int64_t vocab_slices = 0;
   std::int64_t block_rows = 0;
   std::int64_t row_blocks = 0;
+  int weight_gemm_sms = 0;  // > 0: the gradient GEMMs ran side by side, the weight GEMM on this many SMs
   std::string to_string() const;  // the schedule, and the slices when there are any
 };
 
@@ -114,6 +115,14 @@ struct Tuning {
   // everywhere (for comparing). hilo_variant: hilo_gemm.h's compiled tile/schedule.
   bool hilo_grad_weight = true;
   int hilo_variant = 0;
+  // > 0: each chunk's two gradient GEMMs run side by side, the hi/lo weight GEMM's persistent grid on this many
+  // SMs and grad_x on a second stream planned for the rest (cuBLASLt's SM count target), so the weight GEMM's
+  // memory-bound epilogue (4.2 GB read-modify-write per chunk at the published shape) overlaps grad_x's tensor-core
+  // work instead of idling the tensor cores of every SM at once. Same results (the weight GEMM's tiles are the
+  // same whichever SM runs them; grad_x's kernel may differ, within fp32 rounding). 0: one after the other (the
+  // default until the device measures it: BENCHMARKS.md, ninth round). Only with the hi/lo pair; must be below the
+  // device's SM count.
+  int weight_gemm_sms = 0;
   // The low-memory schedule (fused_runner.cu, README "The low-memory schedule"): the statistics first, from the
   // logits GEMM's epilogue over token chunks (no logits stored), the pair math, then the backward one slice of
   // the vocabulary at a time over all rows (the slice's logits recomputed, dz, its grad_W rows written once,
@@ -153,6 +162,10 @@ class FusedRunner {
   RowStats download_row_stats(std::int64_t N, const float* lse, const float* z_target, const double* rowsum);
 
   cudaStream_t stream_ = nullptr;
+  // grad_x beside the weight GEMM (Tuning::weight_gemm_sms): its stream, and the events that fork and join it.
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  int device_sms_ = 0;
   DeviceBuffer workspace_;
   DeviceBuffer accumulator_;  // lo of the hi/lo pair, an fp32 grad_W or grad_x accumulator (RunReport::accumulator_bytes)
   std::unique_ptr<Gemms> gemms_;

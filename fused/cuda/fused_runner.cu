@@ -154,18 +154,32 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t til
 }  // namespace
 
 std::string RunReport::to_string() const {
-  if (vocab_slice_columns == 0) return schedule.to_string();
+  if (vocab_slice_columns == 0)
+    return schedule.to_string() + (weight_gemm_sms > 0 ? ", gradient GEMMs side by side (weight GEMM on " +
+                                                             std::to_string(weight_gemm_sms) + " SMs)"
+                                                       : "");
   return "low-memory: statistics in " + schedule.to_string() + ", then " + std::to_string(vocab_slices) +
          " vocabulary slices of <= " + std::to_string(vocab_slice_columns) + " columns, each in " +
          std::to_string(row_blocks) + " row block(s) of <= " + std::to_string(block_rows) + " rows";
 }
 
-FusedRunner::FusedRunner() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+FusedRunner::FusedRunner() {
+  SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  int device = 0;
+  SIMPO_CUDA_CHECK(cudaGetDevice(&device));
+  SIMPO_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, device));
+}
 
 FusedRunner::~FusedRunner() {
   gemms_.reset();
   workspace_ = DeviceBuffer();  // its free is ordered on stream_, so before the stream goes
   accumulator_ = DeviceBuffer();
+  if (join_) cudaEventDestroy(join_);
+  if (fork_) cudaEventDestroy(fork_);
+  if (side_stream_) cudaStreamDestroy(side_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -215,6 +229,12 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   if (ld_h != padded(H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
   if (g && !g->grad_weight_bf16 && !g->grad_weight)
     throw CudaError("DeviceGradients: neither grad_weight nor grad_weight_bf16 is set");
+  if (tuning.weight_gemm_sms < 0 || tuning.weight_gemm_sms >= device_sms_)
+    throw CudaError("Tuning::weight_gemm_sms = " + std::to_string(tuning.weight_gemm_sms) +
+                    ": 0 runs the gradient GEMMs one after the other; side by side the weight GEMM takes 1 to " +
+                    std::to_string(device_sms_ - 1) + " of this device's " + std::to_string(device_sms_) +
+                    " SMs and grad_x the rest");
+  report_.weight_gemm_sms = 0;
 
   // The plan of fused/schedule.h for the rows this backend's layout fits in options.workspace_bytes (padded
   // rows, fixed scratch first), unless the low-memory schedule takes the run.
@@ -407,13 +427,29 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
                 target_coef, stream_);
       offset += c.parts[i].rows();
     }
-    gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows);
+    // Side by side (Tuning::weight_gemm_sms): the weight GEMM's persistent grid is launched first and holds its
+    // SMs; grad_x follows on the side stream, from the same point (dz written), planned for the SMs left, with the
+    // cuBLASLt scratch to itself (the weight GEMM takes none). The main stream joins it before grad_x is read.
+    const bool side_by_side = hi != nullptr && tuning.weight_gemm_sms > 0;
+    if (side_by_side) SIMPO_CUDA_CHECK(cudaEventRecord(fork_, stream_));
+    if (!side_by_side) gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows);
     if (hi) {
       // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
       // term, per target once, after both (each reads and writes the pair).
       const std::int64_t V8 = V / 8 * 8;
-      hilo_accumulate_grad_weight(rows, V8, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm, stream_,
-                                  base + layout.gemm, static_cast<std::size_t>(gemm_bytes_), tuning.hilo_variant);
+      if (side_by_side)
+        hilo_accumulate_grad_weight(rows, V8, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm, stream_,
+                                    nullptr, 0, tuning.hilo_variant, tuning.weight_gemm_sms);
+      else
+        hilo_accumulate_grad_weight(rows, V8, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm,
+                                    stream_, base + layout.gemm, static_cast<std::size_t>(gemm_bytes_),
+                                    tuning.hilo_variant);
+      if (side_by_side) {
+        SIMPO_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
+        gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows, /*accumulate=*/false,
+                       GemmPlacement{side_stream_, device_sms_ - tuning.weight_gemm_sms});
+        SIMPO_CUDA_CHECK(cudaEventRecord(join_, side_stream_));
+      }
       launch_hilo_tail(rows, V8, V, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm, stream_);
       ChunkRows chunk_rows;
       for (int i = 0; i < c.part_count; ++i) {
@@ -426,6 +462,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
                                      /*overwrite=*/first_weight_gemm);
     }
     first_weight_gemm = false;
+    if (side_by_side) SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
     offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
@@ -454,6 +491,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     launch_pair_math(pair_params, pair_begin, pair_end, p.target, lse, z_target, completion_tokens, avg_grad,
                      stream_);
   };
+
+  if (hi != nullptr) report_.weight_gemm_sms = tuning.weight_gemm_sms;
 
   // No host synchronization from here to the copy of the row statistics at the end.
   const Schedule& schedule = report_.schedule;

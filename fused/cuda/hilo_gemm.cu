@@ -109,12 +109,12 @@ struct HiLoGemm {
   static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t M, std::int64_t N,
                                             const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x,
                                             std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo,
-                                            std::int64_t ld_w, bool overwrite) {
+                                            std::int64_t ld_w, bool overwrite, int sm_count) {
     typename Mainloop::StrideA stride_a{Int<1>{}, ld_dz, 0};
     typename Mainloop::StrideB stride_b{Int<1>{}, ld_x, 0};
     StrideW stride_w{ld_w, Int<1>{}, 0};
-    static const int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
-    cutlass::KernelHardwareInfo hw{0, sm_count};
+    static const int device_sms = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    cutlass::KernelHardwareInfo hw{0, sm_count > 0 ? sm_count : device_sms};
     cudaGetDevice(&hw.device_id);
     auto* hi_e = reinterpret_cast<Element*>(hi);
     auto* lo_e = reinterpret_cast<Element*>(lo);
@@ -144,8 +144,8 @@ struct HiLoGemm {
 
   static void run(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz, std::int64_t ld_dz,
                   const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
-                  bool overwrite, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
-    const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite);
+                  bool overwrite, cudaStream_t stream, void* workspace, std::size_t workspace_bytes, int sm_count) {
+    const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, sm_count);
     Gemm gemm;
     if (Gemm::get_workspace_size(args) > workspace_bytes)
       throw CudaError("hi/lo weight GEMM: needs " + std::to_string(Gemm::get_workspace_size(args)) +
@@ -214,15 +214,16 @@ const char* hilo_gemm_variant_name(int variant) {
 void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
                                  std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
                                  __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t stream,
-                                 void* workspace, std::size_t workspace_bytes, int variant) {
+                                 void* workspace, std::size_t workspace_bytes, int variant, int sm_count) {
   if (rows == 0 || M == 0 || N == 0) return;
+  if (sm_count < 0) throw CudaError("hi/lo weight GEMM: sm_count " + std::to_string(sm_count) + " is negative");
   if (M % 8 != 0 || N % 8 != 0 || ld_dz % 8 != 0 || ld_x % 8 != 0 || ld_w % 8 != 0)
     throw CudaError("hi/lo weight GEMM: M=" + std::to_string(M) + " N=" + std::to_string(N) + " ld_dz=" +
                     std::to_string(ld_dz) + " ld_x=" + std::to_string(ld_x) + " ld_w=" + std::to_string(ld_w) +
                     " must all be multiples of 8 (16-byte TMA rows)");
   dispatch(variant, [&](auto gemm) {
     decltype(gemm)::run(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, stream, workspace,
-                        workspace_bytes);
+                        workspace_bytes, sm_count);
   });
 }
 
@@ -233,7 +234,7 @@ int hilo_gemm_variant_count() { return 0; }
 const char* hilo_gemm_variant_name(int) { return "none"; }
 void hilo_accumulate_grad_weight(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, std::int64_t,
                                  const __nv_bfloat16*, std::int64_t, __nv_bfloat16*, __nv_bfloat16*, std::int64_t, bool,
-                                 cudaStream_t, void*, std::size_t, int) {
+                                 cudaStream_t, void*, std::size_t, int, int) {
   throw CudaError("hi/lo weight GEMM: not built (needs CUTLASS and an sm_90a target)");
 }
 

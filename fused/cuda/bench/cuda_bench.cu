@@ -189,6 +189,10 @@ int main(int argc, char** argv) {
       if (a == "--no-hilo") tuning.hilo_grad_weight = false;
       else tuning.hilo_variant = static_cast<int>(next());
       tuned = true;
+    } else if (a == "--weight-gemm-sms") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      tuning.weight_gemm_sms = static_cast<int>(next());
+      tuned = true;
     } else if (a == "--forward-chunk-rows") {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.forward_chunk_rows = tuning.forward_stats_chunk_rows = next();
@@ -201,6 +205,7 @@ int main(int argc, char** argv) {
                    "                  [--forward-chunk-rows n (0: as the budget allows)] [--gemms-per-part | --logits-per-part]\n"
                    "                  [--epilogue-stats (every schedule) | --epilogue-stats-forward (the default) | --no-epilogue-stats]\n"
                    "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels] [--block-timing]\n"
+                   "                  [--weight-gemm-sms n (the hi/lo weight GEMM on n SMs, grad_x beside it on the rest)]\n"
                    "                  [--low-memory always|never|auto (the vocabulary-sliced schedule; auto: when the budget\n"
                    "                   cannot hold one pair's rows)]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
@@ -227,7 +232,10 @@ int main(int argc, char** argv) {
           : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
   const std::string grad_weight_path =
       tuning.hilo_grad_weight && hilo_gemm_available() && H % 8 == 0
-          ? std::string("bf16 hi/lo pair (") + hilo_gemm_variant_name(tuning.hilo_variant) + ")"
+          ? std::string("bf16 hi/lo pair (") + hilo_gemm_variant_name(tuning.hilo_variant) + ")" +
+                (tuning.weight_gemm_sms > 0
+                     ? ", on " + std::to_string(tuning.weight_gemm_sms) + " SMs beside grad_x on the rest"
+                     : std::string(", after grad_x"))
           : std::string("fp32 accumulator");
   try {
     cudaDeviceProp prop{};

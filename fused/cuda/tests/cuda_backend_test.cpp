@@ -276,6 +276,63 @@ TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
   EXPECT_EQ(std::memcmp(expected.data(), from_runner.data(), from_runner.size() * 2), 0);
 }
 
+// The two gradient GEMMs side by side (Tuning::weight_gemm_sms: the hi/lo GEMM's persistent grid on some SMs,
+// grad_x on a second stream): the same weight gradient bit for bit (each output tile is computed alike whichever SM
+// takes it, the target term in the same order), grad_x within fp32 noise (cuBLASLt may pick another kernel for
+// fewer SMs), scalars untouched; over several chunks, so a missing join (the next chunk's logits GEMM writing over
+// the dz that grad_x still reads, grad_x_finish reading grad_x early) would show; and values past the device's SMs
+// refused with a message naming the setting.
+TEST(CudaBackendSchedules, GradientGemmsSideBySideAgreeWithOneAfterTheOther) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::hilo_gemm_available())
+    GTEST_SKIP() << "the hi/lo weight GEMM needs a build with CUTLASS and a device of compute capability 9.0";
+  int device = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  for (Shape shape : {Shape{.B = 4, .T = 64, .H = 96, .V = 300}, Shape{.B = 4, .T = 70, .H = 520, .V = 1001}}) {
+    CaseSpec spec = spec_of(shape, 30.0, 57);
+    spec.bias = true;
+    spec.ignore = IgnorePattern::random;
+    const Problem problem = generate(spec);
+    const TensorMap exact = reference::compute(problem);
+    Options options = cuda_options();
+    options.max_chunk_rows = 2 * shape.T;  // a pair per chunk: B / 2 chunks, each one's GEMMs after the last's
+    const cuda::Tuning one_after_the_other = cuda::tuning_for(shape.H, options);
+    ASSERT_EQ(one_after_the_other.weight_gemm_sms, 0) << "the default";
+    const TensorMap before = cuda::compute(problem, options, one_after_the_other);
+    for (int weight_sms : {1, sms / 2, sms - 1}) {
+      SCOPED_TRACE(shape.to_string() + ", weight GEMM on " + std::to_string(weight_sms) + " of " +
+                   std::to_string(sms) + " SMs");
+      cuda::Tuning side_by_side = one_after_the_other;
+      side_by_side.weight_gemm_sms = weight_sms;
+      const TensorMap out = cuda::compute(problem, options, side_by_side);
+      expect_meets_bar(out, exact, spec.logit_scale);
+      expect_same_to_fp32_noise(out, before, &exact);
+      const auto grad_w = out.at(output_name::grad_weight).as<bf16>();
+      const auto grad_w_before = before.at(output_name::grad_weight).as<bf16>();
+      ASSERT_EQ(grad_w.size(), grad_w_before.size());
+      EXPECT_EQ(std::memcmp(grad_w.data(), grad_w_before.data(), grad_w.size() * 2), 0);
+      for (const char* name : {output_name::loss, output_name::chosen_logps, output_name::rejected_logps}) {
+        const Tensor& t = out.at(name);
+        for (std::int64_t i = 0; i < t.numel(); ++i)
+          EXPECT_EQ(t.value(i), before.at(name).value(i)) << name << "[" << i << "]: the forward changed";
+      }
+    }
+  }
+  const Problem problem = generate(spec_of(feature_shape, 2.0, 58));
+  for (int wrong : {-1, sms}) {
+    cuda::Tuning tuning = cuda::tuning_for(feature_shape.H, cuda_options());
+    tuning.weight_gemm_sms = wrong;
+    try {
+      cuda::compute(problem, cuda_options(), tuning);
+      ADD_FAILURE() << "weight_gemm_sms = " << wrong << " ran";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("weight_gemm_sms = " + std::to_string(wrong)), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // ---- schedules and budgets ----
 
 // Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows of ~293 KiB) needs ~147 MiB plus
