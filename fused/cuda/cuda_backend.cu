@@ -86,6 +86,9 @@ Tuning tuning_for(std::int64_t H, const Options& options) {
     // streams past it.
     const std::int64_t x_rows_in_32_mib = (std::int64_t{32} << 20) / (2 * std::max<std::int64_t>(H, 1));
     tuning.forward_stats_chunk_rows = std::clamp<std::int64_t>(x_rows_in_32_mib / 128 * 128, 128, 4096);
+    // With logit distances (off by default), the full step's chunks by the same rule: 4096 rows of distances are
+    // the bytes of 2048 rows of fp32 logits, which keeps the default's memory at B = 16 within issue 8's 2.2 GiB.
+    tuning.distance_chunk_rows = tuning.forward_stats_chunk_rows;
     return tuning;
   }
   tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));

@@ -70,6 +70,7 @@ struct RunReport {
   std::int64_t block_rows = 0;
   std::int64_t row_blocks = 0;
   int weight_gemm_sms = 0;  // > 0: the gradient GEMMs ran side by side, the weight GEMM on this many SMs
+  bool logit_distances = false;  // the chunk kept 16-bit logit distances rather than fp32 logits
   std::string to_string() const;  // the schedule, and the slices when there are any
 };
 
@@ -104,6 +105,15 @@ struct Tuning {
   // step stores its logits for dz anyway, and there the epilogue measured level with the separate pass (both on
   // the H200, BENCHMARKS.md, eighth round). always: every schedule; never: row_stats_kernel everywhere.
   enum class EpilogueStats { never, forward, always } epilogue_stats = EpilogueStats::forward;
+  // With gradients, V % 8 == 0 and the epilogue statistics available: the full step stores each logit as its
+  // 16-bit distance below its tile's row max (promoted_stats.h) instead of fp32, with the statistics from the same
+  // epilogue, and dz reads the distances back (dz_from_distances_kernel, in place): half the store, half dz's read,
+  // no row_stats_kernel pass, and chunks of distance_chunk_rows (tuning_for: x within 32 MiB, 4096 rows at H =
+  // 4096) in the memory 2048 fp32 rows took, so the weight GEMM's read-modify-write of the grad_W pair happens half
+  // as often. Each softmax value moves by <= 2^-12 relative (an eighth of dz's own bf16 rounding); the scalars
+  // do not change. Off until the device measures it (BENCHMARKS.md, ninth round).
+  bool logit_distances = false;
+  std::int64_t distance_chunk_rows = 0;  // 0: as tall as the budget allows
   // The gradient GEMMs once per chunk over both of a three_pass chunk's parts (x rows gathered), so the fp32
   // grad_W accumulator is read and written once per chunk; false: once per part, as before (for comparing).
   bool gradient_gemms_per_chunk = true;

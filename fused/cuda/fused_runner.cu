@@ -20,21 +20,27 @@ std::int64_t gemm_workspace_bytes(std::int64_t budget) {
 
 // The workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that live for the
 // whole run, then the chunk buffers sized for the largest chunk: fp32 logits (with gradients, each row's bf16 dz
-// is written over the first half of its logits bytes: dz_kernel, in place), fp32 grad_x, the chunk's x rows
-// gathered for the weight GEMM, and the epilogue statistics' tile partials. `tiles` > 0 when the logits
-// GEMM's epilogue reduces the statistics (promoted_stats.h; 16 bytes per row and 192-column tile), 0 for
-// row_stats_kernel over stored logits; with it the forward-only schedule keeps no logits buffer at all.
+// is written over the first half of its logits bytes: dz_kernel, in place) or their 16-bit distances
+// (`logit_bytes` 2: Tuning::logit_distances, dz over them in place), fp32 grad_x, the chunk's x rows gathered for
+// the weight GEMM, and the epilogue statistics' tile partials. `tiles` > 0 when the logits GEMM's epilogue reduces
+// the statistics (promoted_stats.h; 16 bytes per row and 192-column tile), 0 for row_stats_kernel over stored
+// logits; with it the forward-only schedule keeps no logits buffer at all. With gradients, the partials but the
+// max (which the distances' dz reads) live only from the logits GEMM to their merge, before the chunk's grad_x is
+// written, so they take grad_x's bytes.
 struct Layout {
   std::int64_t gemm = 0, row_max = 0, lse = 0, z_target = 0, z_target_raw = 0, target_coef = 0, rowsum = 0,
                avg_grad = 0, completion_tokens = 0, fixed = 0;
   std::int64_t tiles = 0;
+  std::int64_t logit_bytes = 4;
   std::int64_t per_row = 0;  // this backend's bytes per chunk row (padded rows; cf. workspace_bytes_per_row)
   std::int64_t logits = 0, grad_x = 0, x_rows = 0, tile_max = 0, tile_sum_exp = 0, tile_sum = 0, total = 0;
   bool keeps_logits(bool gradients) const { return gradients || tiles == 0; }
 };
 
-Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::int64_t tiles) {
+Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::int64_t tiles,
+                    std::int64_t logit_bytes = 4) {
   Layout l;
+  l.logit_bytes = logit_bytes;
   const std::int64_t N = s.N(), B = s.B, ld_v = padded(s.V), ld_h = padded(s.H);
   std::int64_t at = 0;
   auto take = [&](std::int64_t bytes) {
@@ -53,26 +59,34 @@ Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::in
   l.avg_grad = take(B * 8);
   l.completion_tokens = take(B * 8);
   l.fixed = at + 6 * kAlign;  // room to align the six chunk buffers
-  l.per_row = (l.keeps_logits(gradients) ? ld_v * 4 : 0) + (gradients ? ld_h * 4 + ld_h * 2 : 0) + tiles * 16;
+  l.per_row = (l.keeps_logits(gradients) ? ld_v * logit_bytes : 0) +
+              (gradients ? std::max(ld_h * 4, tiles * 12) + ld_h * 2 + tiles * 4 : tiles * 16);
   return l;
 }
 
 void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool gradients) {
   const std::int64_t ld_v = padded(s.V), ld_h = padded(s.H);
   const std::int64_t gradient_rows = gradients ? rows : 0;  // forward only: logits (or tile partials) alone
+  const std::int64_t sum_exp_bytes = align_up(l.tiles * rows * 4), sum_bytes = align_up(l.tiles * rows * 8);
   std::int64_t at = l.fixed - 6 * kAlign;
   l.logits = at;
-  at += align_up(l.keeps_logits(gradients) ? rows * ld_v * 4 : 0);
+  at += align_up(l.keeps_logits(gradients) ? rows * ld_v * l.logit_bytes : 0);
   l.grad_x = at;
-  at += align_up(gradient_rows * ld_h * 4);
+  if (gradients) {  // tile_sum_exp and tile_sum inside grad_x's bytes (see Layout)
+    l.tile_sum_exp = at;
+    l.tile_sum = at + sum_exp_bytes;
+    at += std::max(align_up(rows * ld_h * 4), sum_exp_bytes + sum_bytes);
+  }
   l.x_rows = at;
   at += align_up(gradient_rows * ld_h * 2);
   l.tile_max = at;
   at += align_up(l.tiles * rows * 4);
-  l.tile_sum_exp = at;
-  at += align_up(l.tiles * rows * 4);
-  l.tile_sum = at;
-  at += align_up(l.tiles * rows * 8);
+  if (!gradients) {
+    l.tile_sum_exp = at;
+    at += sum_exp_bytes;
+    l.tile_sum = at;
+    at += sum_bytes;
+  }
   l.total = at;
 }
 
@@ -155,9 +169,10 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, std::int64_t til
 
 std::string RunReport::to_string() const {
   if (vocab_slice_columns == 0)
-    return schedule.to_string() + (weight_gemm_sms > 0 ? ", gradient GEMMs side by side (weight GEMM on " +
-                                                             std::to_string(weight_gemm_sms) + " SMs)"
-                                                       : "");
+    return schedule.to_string() + (logit_distances ? ", 16-bit logit distances" : "") +
+           (weight_gemm_sms > 0
+                ? ", gradient GEMMs side by side (weight GEMM on " + std::to_string(weight_gemm_sms) + " SMs)"
+                : "");
   return "low-memory: statistics in " + schedule.to_string() + ", then " + std::to_string(vocab_slices) +
          " vocabulary slices of <= " + std::to_string(vocab_slice_columns) + " columns, each in " +
          std::to_string(row_blocks) + " row block(s) of <= " + std::to_string(block_rows) + " rows";
@@ -235,15 +250,16 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
                     std::to_string(device_sms_ - 1) + " of this device's " + std::to_string(device_sms_) +
                     " SMs and grad_x the rest");
   report_.weight_gemm_sms = 0;
+  report_.logit_distances = false;
 
   // The plan of fused/schedule.h for the rows this backend's layout fits in options.workspace_bytes (padded
   // rows, fixed scratch first), unless the low-memory schedule takes the run.
   const std::int64_t budget = options.workspace_bytes;
   const bool epilogue_stats_run = tuning.logits == Tuning::Logits::promoted && V % 4 == 0 &&
                                   tuning.promoted.variant == 0 && promoted_stats_available();
-  auto layout_for = [&](bool with_epilogue_stats) {
+  auto layout_for = [&](bool with_epilogue_stats, bool with_distances = false) {
     return fixed_layout(s, std::max<std::int64_t>(budget, 0), gradients,
-                        with_epilogue_stats ? promoted_stats_tiles(V) : 0);
+                        with_epilogue_stats ? promoted_stats_tiles(V) : 0, with_distances ? 2 : 4);
   };
   auto rows_fitting = [&](const Layout& l) { return budget > l.fixed ? (budget - l.fixed) / l.per_row : 0; };
   // Tight budgets (Tuning::low_memory): below one pair's rows, the backward goes a vocabulary slice at a time
@@ -259,8 +275,12 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
                                               /*grad_w_slice=*/g->grad_weight == nullptr);
     if (sliced.fits()) return run_low_memory(p, *g, options, tuning);
   }
-  const bool epilogue_stats = epilogue_stats_run && (epilogue_stats_asked || (!gradients && low_memory));
-  Layout layout = layout_for(epilogue_stats);
+  // Tuning::logit_distances: the chunk keeps 16-bit distances, its statistics come from the same epilogue.
+  const bool distances = gradients && tuning.logit_distances && epilogue_stats_run && V % 8 == 0;
+  report_.logit_distances = distances;
+  const bool epilogue_stats =
+      epilogue_stats_run && (epilogue_stats_asked || distances || (!gradients && low_memory));
+  Layout layout = layout_for(epilogue_stats, distances);
   const std::int64_t rows_that_fit = rows_fitting(layout);
 
   // Where grad_W accumulates (device_fused.h, DeviceGradients): the caller's fp32 output; with a bf16 output, the
@@ -301,8 +321,8 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   Options plan_options = options;
   plan_options.gradients = gradients;
   const std::int64_t forward_cap = epilogue_stats ? tuning.forward_stats_chunk_rows : tuning.forward_chunk_rows;
-  if (!gradients && forward_cap > 0)
-    plan_options.max_chunk_rows = options.max_chunk_rows > 0 ? std::min(options.max_chunk_rows, forward_cap) : forward_cap;
+  const std::int64_t cap = !gradients ? forward_cap : distances ? tuning.distance_chunk_rows : 0;
+  if (cap > 0) plan_options.max_chunk_rows = options.max_chunk_rows > 0 ? std::min(options.max_chunk_rows, cap) : cap;
   report_.schedule = plan_rows(s, rows_that_fit, plan_options);
   report_.schedule.bytes_per_row = layout.per_row;
   place_chunk_buffers(layout, s, report_.schedule.max_rows(), gradients);
@@ -322,10 +342,11 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   double* avg_grad = reinterpret_cast<double*>(base + layout.avg_grad);
   auto* completion_tokens = reinterpret_cast<std::int64_t*>(base + layout.completion_tokens);
   float* logits = reinterpret_cast<float*>(base + layout.logits);
+  auto* logit_distances = reinterpret_cast<std::uint16_t*>(base + layout.logits);  // the same bytes, [rows, ld_v]
   // dz in place: row i of the chunk's bf16 dz starts where its fp32 logits row starts (dz_kernel reads each
-  // 2048-column step before writing over it).
+  // 2048-column step before writing over it), or over its distances, element for element.
   auto* dz = reinterpret_cast<__nv_bfloat16*>(logits);
-  const std::int64_t ld_dz = 2 * ld_v;
+  const std::int64_t ld_dz = distances ? ld_v : 2 * ld_v;
   float* grad_x_part = reinterpret_cast<float*>(base + layout.grad_x);
   auto* x_rows = reinterpret_cast<__nv_bfloat16*>(base + layout.x_rows);
 
@@ -374,8 +395,11 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   // with_stats: the pass that produces the row statistics; store: whether dz will read this chunk's logits
   // (only the epilogue statistics can skip storing them: row_stats_kernel reads them); x_chunk: the chunk's rows
   // gathered (gather_x) for one GEMM over them all (Tuning::logits_gemm_per_chunk), or nullptr for a GEMM per part.
+  // With distances every stored chunk is distances, from the statistics GEMM (the two_pass schedule's second
+  // pass writes the same partials again, unmerged).
   auto logits_of = [&](const Chunk& c, bool with_stats, bool store, const __nv_bfloat16* x_chunk = nullptr) {
-    if (x_chunk != nullptr && !(with_stats && epilogue_stats)) {
+    const bool from_epilogue = (with_stats && epilogue_stats) || (store && distances);
+    if (x_chunk != nullptr && !from_epilogue) {
       logits_rows(c.rows(), x_chunk, 0);
       std::int64_t offset = 0;
       for (int i = 0; with_stats && i < c.part_count; ++i) {
@@ -389,7 +413,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       const RowRange& part = c.parts[i];
       const __nv_bfloat16* x_part = p.x + part.begin * ld_h;
       float* logits_part = logits + offset * ld_v;
-      if (with_stats && epilogue_stats) {
+      if (from_epilogue) {
         LogitTileStats out;
         out.bias = p.bias;
         out.target = p.target + part.begin;
@@ -399,12 +423,17 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
         out.tile_sum_exp = tile_sum_exp + offset;
         out.tile_sum = tile_sum + offset;
         out.z_target = z_target_raw + part.begin;
-        promoted_logits_stats(part.rows(), V, ld_h, x_part, p.weight, store ? logits_part : nullptr, ld_v,
-                              tuning.promotion_k, out, stream_, base + layout.gemm,
-                              static_cast<std::size_t>(gemm_bytes_));
+        if (store && distances)
+          promoted_logits_distances(part.rows(), V, ld_h, x_part, p.weight, logit_distances + offset * ld_v, ld_v,
+                                    tuning.promotion_k, out, stream_, base + layout.gemm,
+                                    static_cast<std::size_t>(gemm_bytes_));
+        else
+          promoted_logits_stats(part.rows(), V, ld_h, x_part, p.weight, store ? logits_part : nullptr, ld_v,
+                                tuning.promotion_k, out, stream_, base + layout.gemm,
+                                static_cast<std::size_t>(gemm_bytes_));
         const TileStatsRows tiles{tile_max + offset, tile_sum_exp + offset, tile_sum + offset, tile_ld, layout.tiles,
                                   part.rows(), part.begin, z_target_raw, p.target, hp.ignore_index};
-        launch_merge_tile_stats(tiles, row_max, lse, z_target, rowsum, stream_);
+        if (with_stats) launch_merge_tile_stats(tiles, row_max, lse, z_target, rowsum, stream_);
         offset += part.rows();
         continue;
       }
@@ -423,9 +452,17 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     float* gx_rows = grad_x_part + at * ld_h;
     std::int64_t offset = at;
     for (int i = 0; i < c.part_count; ++i) {
-      launch_dz(part_logits(c.parts[i], offset), coefficients, row_max, lse, z_target, dz + offset * ld_dz, ld_dz,
-                target_coef, stream_);
-      offset += c.parts[i].rows();
+      const RowRange& part = c.parts[i];
+      if (distances)
+        launch_dz_from_distances(LogitDistanceRows{logit_distances + offset * ld_v, ld_v, part.rows(), part.begin, V,
+                                                   tile_max + offset, tile_ld, promoted_stats_tile_columns, p.target,
+                                                   hp.ignore_index},
+                                 coefficients, row_max, lse, z_target, dz + offset * ld_dz, ld_dz, target_coef,
+                                 stream_);
+      else
+        launch_dz(part_logits(part, offset), coefficients, row_max, lse, z_target, dz + offset * ld_dz, ld_dz,
+                  target_coef, stream_);
+      offset += part.rows();
     }
     // Side by side (Tuning::weight_gemm_sms): the weight GEMM's persistent grid is launched first and holds its
     // SMs; grad_x follows on the side stream, from the same point (dz written), planned for the SMs left, with the

@@ -8,6 +8,8 @@
 //   pair_math_kernel          between 1 and 2 per pair: the two sequences' averages of log p and dL/davg of each
 //   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t);
 //                                             in place over the row's fp32 logits (a barrier per 2048 columns)
+//   dz_from_distances_kernel  2 (backward)    the same from the 16-bit logit distances (promoted_stats.h), in place
+//                                             over them (Tuning::logit_distances)
 //   row_coefficients_kernel   2               per row: k and k (1 - p_t) alone, where dz comes from the logits
 //                                             GEMM's epilogue (promoted_dz.h; the low-memory schedule)
 //   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
@@ -23,6 +25,7 @@
 #include <algorithm>
 
 #include "fused/cuda/cuda_check.h"
+#include "fused/cuda/promoted_stats.h"
 #include "fused/cuda/row_reduce.cuh"
 #include "fused/simpo_math.h"
 
@@ -168,6 +171,38 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
   __syncthreads();
   if (v < end) out[v] = __float2bfloat16_rn(value);
   if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_t, row_lse) : 0.0f;
+}
+
+// The same from the logit distances: z - max = (tile max - max) - q 2^-11 (promoted_stats.h). Each 8-column step
+// lies in one tile (tiles are multiples of 8 wide); its tile max is one load, shared by the warp's threads of that
+// tile. dz over the distances in place is safe without barriers: a thread reads its own 16 bytes before writing
+// 16 bytes of dz to the same place.
+__global__ void __launch_bounds__(kRowThreads) dz_from_distances_kernel(LogitDistanceRows a, CoefficientParams c,
+                                                                       const float* row_max, const float* lse,
+                                                                       const float* z_target, __nv_bfloat16* dz,
+                                                                       std::int64_t ld_dz, float* target_coef) {
+  const std::int64_t local = blockIdx.x, r = a.row_begin + local;
+  const std::uint16_t* row = a.distances + local * a.ld;
+  __nv_bfloat16* out = dz + local * ld_dz;
+  const std::int64_t target = a.target[r];
+  const bool completion = target != a.ignore_index;
+  const float k = row_k(c, r, completion);
+  const float shift = row_max[r], row_lse = lse[r];
+  const float* maxima = a.tile_max + local;
+  constexpr float kStep = 1.0f / logit_distance_scale;  // a power of two: q kStep is exact
+  for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < a.V; v += kRowThreads * 8) {
+    float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (k != 0.0f) {  // k == 0 (ignored rows, empty sequences): a zero row, no exponentials
+      const uint4 raw = *reinterpret_cast<const uint4*>(row + v);
+      const auto* q = reinterpret_cast<const std::uint16_t*>(&raw);
+      const float above = maxima[(v / a.tile_columns) * a.tile_ld] - shift;  // the tile's max relative to the row's
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        g[i] = (v + i == target) ? 0.0f : m::softmax_gradient(k, above - static_cast<float>(q[i]) * kStep, row_lse);
+    }
+    store8(out + v, g);
+  }
+  if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_target[r], row_lse) : 0.0f;
 }
 
 // Pass 2 without a dz pass (promoted_dz.h computes dz in the logits GEMM's epilogue): per row, k and
@@ -414,6 +449,19 @@ void launch_dz(const LogitRows& a, const CoefficientParams& c, const float* row_
   else
     dz_kernel<false><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, row_max, lse, z_target, dz, ld_dz,
                                                                      target_coef);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dz_from_distances(const LogitDistanceRows& a, const CoefficientParams& c, const float* row_max,
+                              const float* lse, const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz,
+                              float* target_coef, cudaStream_t stream) {
+  if (a.rows == 0) return;
+  if (a.V % 8 != 0 || a.ld % 8 != 0 || ld_dz % 8 != 0 || a.tile_columns % 8 != 0)
+    throw CudaError("dz from logit distances: V = " + std::to_string(a.V) + ", ld " + std::to_string(a.ld) +
+                    ", ld_dz " + std::to_string(ld_dz) + " and the tile width " + std::to_string(a.tile_columns) +
+                    " must be multiples of 8");
+  dz_from_distances_kernel<<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, row_max, lse, z_target, dz, ld_dz,
+                                                                          target_coef);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

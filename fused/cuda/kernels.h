@@ -73,6 +73,25 @@ struct CoefficientParams {
 };
 void launch_dz(const LogitRows&, const CoefficientParams&, const float* row_max, const float* lse,
                const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t);
+// Pass 2 from the logit distances (promoted_stats.h: promoted_logits_distances) instead of fp32 logits: the same
+// dz and target_coef as launch_dz, with each logit read back as its tile's max minus q 2^-11. V a multiple of 8
+// (so no padding columns). dz may be the distances buffer itself with ld_dz = ld (in place: each thread reads its
+// 16 bytes, then writes 16 bytes of dz over them); any other overlap is not allowed.
+struct LogitDistanceRows {
+  const std::uint16_t* distances;  // [rows, ld]
+  std::int64_t ld;
+  std::int64_t rows;
+  std::int64_t row_begin;          // global row of row 0
+  std::int64_t V;
+  const float* tile_max;           // [tiles, tile_ld]: the part's row i at column i (the epilogue's partials)
+  std::int64_t tile_ld;
+  std::int64_t tile_columns;       // the statistics GEMM's tile width (promoted_stats_tile_columns)
+  const std::int64_t* target;      // [N] (global rows)
+  std::int64_t ignore_index;
+};
+void launch_dz_from_distances(const LogitDistanceRows&, const CoefficientParams&, const float* row_max,
+                              const float* lse, const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz,
+                              float* target_coef, cudaStream_t);
 // Where dz comes from the logits GEMM's epilogue (promoted_dz.h): k[r] (row_coefficient, as dz_kernel takes it)
 // and target_coef[r] for all N rows.
 void launch_row_coefficients(std::int64_t N, const std::int64_t* target, std::int64_t ignore_index,

@@ -34,13 +34,17 @@ namespace m = ::simpo::fused::math;
 // the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, eighth round). Here the
 // bias and the edge-column mask are template parameters chosen once per tile, the rows of a thread are reduced
 // side by side, and the only branch left is around the target logit (rows whose target falls in this tile).
+//
+// kDistances: after the statistics, each accumulator becomes its logit distance below the row's tile max
+// (promoted_stats.h), a whole number as a float that CUTLASS's store converts to uint16 exactly.
+template <bool kDistances>
 struct StatsPass {
   using Params = LogitTileStats;
   LogitTileStats stats;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
-                                 TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
+                                 TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma,
                                  int thread_idx) const {
     const int n0 = static_cast<int>(get<1>(tile_coord_mnkl)) * decltype(size<1>(tile_shape_MNK))::value;
     const bool whole_columns = n0 + decltype(size<1>(tile_shape_MNK))::value <= static_cast<int>(get<1>(problem_shape_mnkl));
@@ -55,7 +59,7 @@ struct StatsPass {
   template <bool kMask, bool kBias, class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor,
             class TiledMma>
   CUTLASS_DEVICE void reduce(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
-                             TileCoordMNKL tile_coord_mnkl, AccTensor const& acc, TiledMma tiled_mma,
+                             TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma,
                              int thread_idx) const {
     constexpr int kRows = accumulator_rows<AccTensor>;
     constexpr int kTileN = decltype(size<1>(tile_shape_MNK))::value;
@@ -128,17 +132,29 @@ struct StatsPass {
           if (j == i && column_of(c, g, mn) == t) stats.z_target[row[i]] = logit(i, c, g, mn);
         });
     }
+    // Last, since the logits above read the accumulators. Columns past N are computed too; the store drops them.
+    if constexpr (kDistances)
+      for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
+        const float steps = rintf((row_max[i] - logit(i, c, g, mn)) * logit_distance_scale);
+        acc(accumulator_at(i, c, g, mn)) = fminf(steps, static_cast<float>(logit_distance_saturated));
+      });
   }
 };
 
-// The fp32 logits stored after the statistics (the full step), or no output at all (the forward).
-using StatsGemm = RegisterEpilogueGemm<StatsPass, float, 4>;
-using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass, void, 4>;
+// The fp32 logits stored after the statistics (the full step), no output at all (the forward), or the logit
+// distances (the full step with Tuning::logit_distances).
+using StatsGemm = RegisterEpilogueGemm<StatsPass<false>, float, 4>;
+using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass<false>, void, 4>;
+using DistancesGemm = RegisterEpilogueGemm<StatsPass<true>, std::uint16_t, 8>;
+static_assert(cute::size<1>(StatsGemm::TileShape{}) == promoted_stats_tile_columns,
+              "the partials' tiles are the GEMM's column tiles");
 
 }  // namespace
 
 bool promoted_stats_available() { return promoted_logits_available(); }
-std::int64_t promoted_stats_tiles(std::int64_t V) { return (V + 191) / 192; }
+std::int64_t promoted_stats_tiles(std::int64_t V) {
+  return (V + promoted_stats_tile_columns - 1) / promoted_stats_tile_columns;
+}
 
 void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
                            const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits,
@@ -162,14 +178,39 @@ void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
                        workspace_bytes);
 }
 
+void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
+                               const __nv_bfloat16* weight, std::uint16_t* distances, std::int64_t ld_distances,
+                               std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,
+                               void* workspace, std::size_t workspace_bytes) {
+  if (rows == 0 || V == 0) return;
+  if (promotion_k < 0 || promotion_k % promoted_k_granule != 0)
+    throw CudaError("promoted logits GEMM: promotion_k " + std::to_string(promotion_k) + " is not a multiple of " +
+                    std::to_string(promoted_k_granule));
+  if (V % 8 != 0 || ld_distances % 8 != 0 || ld_distances < V)
+    throw CudaError("promoted logits GEMM with distances: V = " + std::to_string(V) + " and ld " +
+                    std::to_string(ld_distances) + " must be multiples of 8, ld >= V");
+  if (stats.ld < rows)
+    throw CudaError("promoted logits GEMM with distances: ld " + std::to_string(stats.ld) + " < rows " +
+                    std::to_string(rows));
+  DistancesGemm::run("promoted logits GEMM with distances", rows, V, ld_h, x, weight, distances, ld_distances,
+                     promotion_k, stats, stream, workspace, workspace_bytes);
+}
+
 #else  // without CUTLASS or an sm_90a target: the runner keeps the separate statistics pass
 
 bool promoted_stats_available() { return false; }
-std::int64_t promoted_stats_tiles(std::int64_t V) { return (V + 191) / 192; }
+std::int64_t promoted_stats_tiles(std::int64_t V) {
+  return (V + promoted_stats_tile_columns - 1) / promoted_stats_tile_columns;
+}
 void promoted_logits_stats(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, const __nv_bfloat16*,
                            float*, std::int64_t, std::int64_t, const LogitTileStats&, cudaStream_t, void*,
                            std::size_t) {
   throw CudaError("promoted logits GEMM with statistics: not built (needs CUTLASS and an sm_90a target)");
+}
+void promoted_logits_distances(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, const __nv_bfloat16*,
+                               std::uint16_t*, std::int64_t, std::int64_t, const LogitTileStats&, cudaStream_t, void*,
+                               std::size_t) {
+  throw CudaError("promoted logits GEMM with distances: not built (needs CUTLASS and an sm_90a target)");
 }
 
 #endif

@@ -189,6 +189,10 @@ int main(int argc, char** argv) {
       if (a == "--no-hilo") tuning.hilo_grad_weight = false;
       else tuning.hilo_variant = static_cast<int>(next());
       tuned = true;
+    } else if (a == "--logit-distances") {
+      if (!tuned) tuning = tuning_for(H, Options{});
+      tuning.logit_distances = true;
+      tuned = true;
     } else if (a == "--weight-gemm-sms") {
       if (!tuned) tuning = tuning_for(H, Options{});
       tuning.weight_gemm_sms = static_cast<int>(next());
@@ -206,6 +210,7 @@ int main(int argc, char** argv) {
                    "                  [--epilogue-stats (every schedule) | --epilogue-stats-forward (the default) | --no-epilogue-stats]\n"
                    "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels] [--block-timing]\n"
                    "                  [--weight-gemm-sms n (the hi/lo weight GEMM on n SMs, grad_x beside it on the rest)]\n"
+                   "                  [--logit-distances (the full step keeps 16-bit logit distances, chunks of distance_chunk_rows)]\n"
                    "                  [--low-memory always|never|auto (the vocabulary-sliced schedule; auto: when the budget\n"
                    "                   cannot hold one pair's rows)]\n"
                    "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
@@ -228,7 +233,10 @@ int main(int argc, char** argv) {
                      : "in the GEMM epilogue (forward), by row_stats_kernel (full step)") +
                 (tuning.gradient_gemms_per_chunk ? ", gradient GEMMs per chunk" : ", gradient GEMMs per part") +
                 (tuning.logits_gemm_per_chunk && tuning.gradient_gemms_per_chunk ? ", logits GEMM per chunk"
-                                                                                 : ", logits GEMM per part")
+                                                                                 : ", logits GEMM per part") +
+                (tuning.logit_distances ? ", full step: 16-bit logit distances in chunks <= " +
+                                              std::to_string(tuning.distance_chunk_rows) + " rows"
+                                        : std::string(", full step: fp32 logits"))
           : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
   const std::string grad_weight_path =
       tuning.hilo_grad_weight && hilo_gemm_available() && H % 8 == 0

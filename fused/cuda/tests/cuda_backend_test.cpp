@@ -136,6 +136,144 @@ TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
   }
 }
 
+// ---- logit distances (Tuning::logit_distances) ----
+
+std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng);
+
+// The distances GEMM against the fp32-logits statistics GEMM of the same mainloop (so the same logits, bit for bit):
+// every stored q is min(round((tile max - z) 2^11), 65535) of its logit (bias added) and its row's tile max, the
+// partials and target logits are the same, and the columns past V are not written (V = 1000: a partial 40-column
+// last tile; 200 rows: a partial row tile). Logits of spread ~30 leave many distances saturated.
+TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::promoted_stats_available())
+    GTEST_SKIP() << "the logit distances need the promoted GEMM (CUTLASS build, compute capability 9.0)";
+  const std::int64_t rows = 200, V = 1000, H = 96, ld = 1008, tiles = cuda::promoted_stats_tiles(V);
+  std::mt19937_64 rng(61);
+  const std::vector<bf16> x = random_bf16(rows * H, 1.0, rng), w = random_bf16(V * H, 3.0, rng),
+                          bias = random_bf16(V, 2.0, rng);
+  std::vector<std::int64_t> target(rows);
+  for (std::int64_t r = 0; r < rows; ++r) target[r] = (r * 37) % V;
+  auto upload = [](const void* data, std::size_t bytes, const char* what) {
+    cuda::DeviceBuffer b(bytes, what);
+    EXPECT_EQ(cudaMemcpy(b.get(), data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return b;
+  };
+  const cuda::DeviceBuffer x_d = upload(x.data(), x.size() * 2, "x"), w_d = upload(w.data(), w.size() * 2, "w"),
+                           bias_d = upload(bias.data(), bias.size() * 2, "bias"),
+                           target_d = upload(target.data(), target.size() * 8, "target");
+  struct Partials {
+    cuda::DeviceBuffer max, sum_exp, sum, z_target;
+    cuda::LogitTileStats stats;
+  };
+  auto partials = [&](const char* what) {
+    Partials p{cuda::DeviceBuffer(tiles * rows * 4, what), cuda::DeviceBuffer(tiles * rows * 4, what),
+               cuda::DeviceBuffer(tiles * rows * 8, what), cuda::DeviceBuffer(rows * 4, what), {}};
+    p.stats.bias = bias_d.as<__nv_bfloat16>();
+    p.stats.target = target_d.as<std::int64_t>();
+    p.stats.ld = rows;
+    p.stats.tile_max = p.max.as<float>();
+    p.stats.tile_sum_exp = p.sum_exp.as<float>();
+    p.stats.tile_sum = p.sum.as<double>();
+    p.stats.z_target = p.z_target.as<float>();
+    return p;
+  };
+  Partials with_logits = partials("fp32 logits' partials"), with_distances = partials("distances' partials");
+  cuda::DeviceBuffer logits_d(rows * ld * 4, "logits"), distances_d(rows * ld * 2, "distances");
+  ASSERT_EQ(cudaMemset(distances_d.get(), 0x5A, distances_d.bytes()), cudaSuccess);  // columns past V keep it
+  cuda::promoted_logits_stats(rows, V, H, x_d.as<__nv_bfloat16>(), w_d.as<__nv_bfloat16>(), logits_d.as<float>(), ld,
+                              256, with_logits.stats, nullptr, nullptr, 0);
+  cuda::promoted_logits_distances(rows, V, H, x_d.as<__nv_bfloat16>(), w_d.as<__nv_bfloat16>(),
+                                  distances_d.as<std::uint16_t>(), ld, 256, with_distances.stats, nullptr, nullptr, 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto download = [](const cuda::DeviceBuffer& b, auto* out) {
+    EXPECT_EQ(cudaMemcpy(out, b.get(), b.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  };
+  std::vector<float> logits(rows * ld), tile_max(tiles * rows), tile_max_d(tiles * rows);
+  std::vector<std::uint16_t> q(rows * ld);
+  download(logits_d, logits.data());
+  download(distances_d, q.data());
+  download(with_logits.max, tile_max.data());
+  download(with_distances.max, tile_max_d.data());
+  EXPECT_EQ(tile_max, tile_max_d);
+  for (const auto& [a, b] : {std::pair{&with_logits.sum_exp, &with_distances.sum_exp},
+                             std::pair{&with_logits.sum, &with_distances.sum},
+                             std::pair{&with_logits.z_target, &with_distances.z_target}}) {
+    std::vector<char> ha(a->bytes()), hb(b->bytes());
+    download(*a, ha.data());
+    download(*b, hb.data());
+    EXPECT_EQ(ha, hb) << "the statistics differ";
+  }
+  int wrong = 0, saturated = 0, untouched_padding = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t v = 0; v < V; ++v) {
+      const float z = logits[r * ld + v] + float(bias[v]);
+      const float m = tile_max[(v / cuda::promoted_stats_tile_columns) * rows + r];
+      const float expected = std::min(std::nearbyint((m - z) * cuda::logit_distance_scale),
+                                      static_cast<float>(cuda::logit_distance_saturated));
+      wrong += q[r * ld + v] != static_cast<std::uint16_t>(expected);
+      saturated += expected == cuda::logit_distance_saturated;
+    }
+    for (std::int64_t v = V; v < ld; ++v) untouched_padding += q[r * ld + v] == 0x5A5A;
+  }
+  EXPECT_EQ(wrong, 0) << "of " << rows * V;
+  EXPECT_GT(saturated, 0) << "the test should reach the saturation";
+  EXPECT_EQ(untouched_padding, rows * (ld - V)) << "the store wrote past column V";
+}
+
+// The full step with logit distances against the default (fp32 logits): both meet the bar and agree to fp32 noise,
+// in three_pass (chunks of two pairs where the budget allows, as tuning_for caps them) and two_pass, with a bias,
+// random ignored rows, logit scales 2 and 30; V % 8 != 0 falls back to the fp32 logits (and must still be right).
+// The runner reports the distances, keeps 2 bytes per logit, and its partials share grad_x's bytes.
+TEST(CudaBackendFeatures, LogitDistancesMeetTheBarInEverySchedule) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::promoted_stats_available())
+    GTEST_SKIP() << "the logit distances need the promoted GEMM (CUTLASS build, compute capability 9.0)";
+  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 200}, Shape{.B = 4, .T = 130, .H = 200, .V = 6152},
+                      Shape{.B = 2, .T = 60, .H = 64, .V = 388}}) {
+    for (const double scale : {2.0, 30.0}) {
+      CaseSpec spec = spec_of(shape, scale, 62);
+      spec.bias = true;
+      spec.ignore = IgnorePattern::random;
+      const Problem problem = generate(spec);
+      const TensorMap exact = reference::compute(problem);
+      for (const std::int64_t chunk_rows : {std::int64_t{0}, shape.T - 1}) {  // three_pass, two_pass
+        SCOPED_TRACE(shape.to_string() + ", scale " + std::to_string(scale) + ", max_chunk_rows " +
+                     std::to_string(chunk_rows));
+        Options options = cuda_options();
+        options.max_chunk_rows = chunk_rows;
+        cuda::Tuning fp32 = cuda::tuning_for(shape.H, options), distances = fp32;
+        ASSERT_FALSE(fp32.logit_distances) << "the default";
+        distances.logit_distances = true;
+        distances.distance_chunk_rows = 4 * shape.T;  // two pairs per chunk
+        const TensorMap out = cuda::compute(problem, options, distances);
+        expect_meets_bar(out, exact, spec.logit_scale);
+        expect_same_to_fp32_noise(out, cuda::compute(problem, options, fp32), &exact);
+      }
+    }
+  }
+  // The runner's report and layout.
+  const Shape shape{.B = 4, .T = 64, .H = 96, .V = 304};
+  const Problem problem = generate(spec_of(shape, 2.0, 63));
+  cuda::FusedRunner runner;
+  const cuda::DeviceInputs inputs = cuda::upload_inputs(problem, runner.stream());
+  const std::int64_t N = shape.N(), H = shape.H, V = shape.V, ld_h = cuda::padded(H);
+  cuda::DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_w(V * H * 2, "grad_weight");
+  cuda::DeviceGradients gradients;
+  gradients.grad_x = grad_x.as<__nv_bfloat16>();
+  gradients.grad_weight_bf16 = grad_w.as<__nv_bfloat16>();
+  cuda::Tuning tuning = cuda::tuning_for(H, cuda_options());
+  tuning.logit_distances = true;
+  tuning.distance_chunk_rows = 4 * shape.T;
+  runner.run(inputs.problem, &gradients, cuda_options(), tuning);
+  const auto& report = runner.last_report();
+  EXPECT_TRUE(report.logit_distances);
+  EXPECT_NE(report.to_string().find("16-bit logit distances"), std::string::npos) << report.to_string();
+  EXPECT_EQ(report.schedule.chunks.size(), 1u) << report.to_string();
+  const std::int64_t tiles = cuda::promoted_stats_tiles(V);
+  EXPECT_EQ(report.schedule.bytes_per_row, V * 2 + std::max(ld_h * 4, tiles * 12) + ld_h * 2 + tiles * 4);
+}
+
 // ---- grad_W as a bf16 hi/lo pair ----
 
 std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng) {
