@@ -65,6 +65,12 @@ struct Options {
   // one more pass over the fp32 chunk logits. 0: one cuBLAS GEMM over all of H (biased scalars). Gradients are
   // unaffected either way.
   std::int64_t logits_k_slice = 256;
+  // The backward's dz from 16-bit logit distances (fused/simpo_math.h) rather than fp32 logits: each logit read
+  // back as its tile's row max minus a multiple of 2^-11, so each softmax value moves by <= 2^-12 relative (an
+  // eighth of dz's own bf16 rounding); the scalars do not change. On cuda the full step then keeps 2 bytes per logit
+  // (where the promoted GEMM's epilogue statistics run and V % 8 == 0; elsewhere fp32 logits), on cpu dz takes the
+  // same rounding, so the backends compute the same numbers.
+  bool logit_distances = false;
   Mutant mutant = Mutant::none;
 };
 

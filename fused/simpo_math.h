@@ -126,4 +126,22 @@ template <class T> SIMPO_HOST_DEVICE inline T target_coefficient(T k, T z_target
   return k * -expm1_(z_target - lse);
 }
 
+// ---- logit distances: what dz needs of a logit, in 16 bits ----
+// A logit z (bias included) kept as q = min(round((m - z) 2^11), 65535), its distance below m, the max of its row
+// over a tile of columns, in steps of 2^-11 (Options::logit_distances; the cuda backend's logits GEMM writes them
+// from its epilogue, fused/cuda/promoted_stats.h). z is read back as m - q 2^-11, off by <= 2^-12: each softmax
+// value exp(z - lse) then moves by <= 2^-12 relative, an eighth of the bf16 rounding dz gets anyway (2^-9).
+// Distances past 32 saturate, where exp(z - lse) < e^-32: all V of them (V < 2^24) sum to < 2e-7 of the row's,
+// under the fp32 noise of the softmax sum itself.
+inline constexpr float logit_distance_scale = 2048.0f;        // steps per unit of z (a power of two: q / scale is exact)
+inline constexpr float logit_distance_saturated = 65535.0f;   // the largest uint16
+inline constexpr int logit_distance_tile = 192;               // columns per tile max (the cuda logits GEMM's tile)
+SIMPO_HOST_DEVICE inline float logit_distance(float tile_max, float z) {
+  return fminf(rintf((tile_max - z) * logit_distance_scale), logit_distance_saturated);
+}
+// z - shift from a distance, with above = the tile's max - shift (the backends use shift = the row's max).
+SIMPO_HOST_DEVICE inline float logit_from_distance(float above, float q) {
+  return above - q * (1.0f / logit_distance_scale);
+}
+
 }  // namespace simpo::fused::math

@@ -225,7 +225,18 @@ class Run {
         c_[r] = 0.f;
         continue;
       }
-      for (Eigen::Index v = 0; v < V; ++v) z[v] = round_bf16(math::softmax_gradient(k, z[v] - max, log_sum));
+      if (options_.logit_distances) {
+        // Options::logit_distances: z read back from its distance below its tile's max, as the cuda GEMM stores it.
+        for (Eigen::Index v0 = 0; v0 < V; v0 += math::logit_distance_tile) {
+          const Eigen::Index v1 = std::min<Eigen::Index>(V, v0 + math::logit_distance_tile);
+          const float tile_max = *std::max_element(z + v0, z + v1), above = tile_max - max;
+          for (Eigen::Index v = v0; v < v1; ++v)
+            z[v] = round_bf16(math::softmax_gradient(
+                k, math::logit_from_distance(above, math::logit_distance(tile_max, z[v])), log_sum));
+        }
+      } else {
+        for (Eigen::Index v = 0; v < V; ++v) z[v] = round_bf16(math::softmax_gradient(k, z[v] - max, log_sum));
+      }
       z[column] = 0.f;
       if (mutant_ == Mutant::softmax_rounded_before_onehot) {
         // MUTANT softmax_rounded_before_onehot: 1 - bf16(p_target), which erases a small 1 - p.

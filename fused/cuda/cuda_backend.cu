@@ -89,6 +89,7 @@ Tuning tuning_for(std::int64_t H, const Options& options) {
     // With logit distances (off by default), the full step's chunks by the same rule: 4096 rows of distances are
     // the bytes of 2048 rows of fp32 logits, which keeps the default's memory at B = 16 within issue 8's 2.2 GiB.
     tuning.distance_chunk_rows = tuning.forward_stats_chunk_rows;
+    tuning.logit_distances = options.logit_distances;
     return tuning;
   }
   tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));

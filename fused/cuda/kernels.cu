@@ -25,7 +25,6 @@
 #include <algorithm>
 
 #include "fused/cuda/cuda_check.h"
-#include "fused/cuda/promoted_stats.h"
 #include "fused/cuda/row_reduce.cuh"
 #include "fused/simpo_math.h"
 
@@ -173,7 +172,7 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
   if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_t, row_lse) : 0.0f;
 }
 
-// The same from the logit distances: z - max = (tile max - max) - q 2^-11 (promoted_stats.h). Each 8-column step
+// The same from the logit distances (fused/simpo_math.h): z - max = (tile max - max) - q 2^-11. Each 8-column step
 // lies in one tile (tiles are multiples of 8 wide); its tile max is one load, shared by the warp's threads of that
 // tile. dz over the distances in place is safe without barriers: a thread reads its own 16 bytes before writing
 // 16 bytes of dz to the same place.
@@ -189,7 +188,6 @@ __global__ void __launch_bounds__(kRowThreads) dz_from_distances_kernel(LogitDis
   const float k = row_k(c, r, completion);
   const float shift = row_max[r], row_lse = lse[r];
   const float* maxima = a.tile_max + local;
-  constexpr float kStep = 1.0f / logit_distance_scale;  // a power of two: q kStep is exact
   for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < a.V; v += kRowThreads * 8) {
     float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (k != 0.0f) {  // k == 0 (ignored rows, empty sequences): a zero row, no exponentials
@@ -198,7 +196,8 @@ __global__ void __launch_bounds__(kRowThreads) dz_from_distances_kernel(LogitDis
       const float above = maxima[(v / a.tile_columns) * a.tile_ld] - shift;  // the tile's max relative to the row's
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        g[i] = (v + i == target) ? 0.0f : m::softmax_gradient(k, above - static_cast<float>(q[i]) * kStep, row_lse);
+        g[i] = (v + i == target) ? 0.0f
+                                 : m::softmax_gradient(k, m::logit_from_distance(above, static_cast<float>(q[i])), row_lse);
     }
     store8(out + v, g);
   }

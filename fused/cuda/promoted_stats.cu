@@ -135,8 +135,7 @@ struct StatsPass {
     // Last, since the logits above read the accumulators. Columns past N are computed too; the store drops them.
     if constexpr (kDistances)
       for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
-        const float steps = rintf((row_max[i] - logit(i, c, g, mn)) * logit_distance_scale);
-        acc(accumulator_at(i, c, g, mn)) = fminf(steps, static_cast<float>(logit_distance_saturated));
+        acc(accumulator_at(i, c, g, mn)) = m::logit_distance(row_max[i], logit(i, c, g, mn));
       });
   }
 };
@@ -146,8 +145,9 @@ struct StatsPass {
 using StatsGemm = RegisterEpilogueGemm<StatsPass<false>, float, 4>;
 using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass<false>, void, 4>;
 using DistancesGemm = RegisterEpilogueGemm<StatsPass<true>, std::uint16_t, 8>;
-static_assert(cute::size<1>(StatsGemm::TileShape{}) == promoted_stats_tile_columns,
-              "the partials' tiles are the GEMM's column tiles");
+static_assert(cute::size<1>(StatsGemm::TileShape{}) == promoted_stats_tile_columns &&
+                  promoted_stats_tile_columns == m::logit_distance_tile,
+              "the partials' tiles, and the distances' tiles (the cpu backend's too), are the GEMM's column tiles");
 
 }  // namespace
 

@@ -45,16 +45,11 @@ void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
                            std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,
                            void* workspace, std::size_t workspace_bytes);
 
-// Logit distances: what the full step's dz needs of a logit, in 16 bits. After the statistics, each logit z (bias
-// included) is stored as q = min(round((m - z) 2^11), 65535), its distance below m, its row's max over the tile
-// (`tile_max`, which the statistics write anyway), in steps of 2^-11. dz = -k exp(z - lse) then reads z back as m -
-// q 2^-11 (dz_from_distances, kernels.h): the rounding moves z by <= 2^-12, so each softmax value by <= 2^-12
-// relative, an eighth of the bf16 rounding dz gets anyway (<= 2^-9); distances past 32 saturate, where exp(z - lse)
-// < e^-32 (all V of them sum to < 2e-9 of the row). Half the bytes of fp32 logits: half the store, half dz's read,
-// no separate statistics pass, and twice the rows per chunk in the same memory (README, "Logit distances").
-inline constexpr float logit_distance_scale = 2048.0f;       // steps per unit of z
-inline constexpr unsigned logit_distance_saturated = 65535;  // 32 - 2^-11 below the tile's max, or further
-
+// Logit distances (fused/simpo_math.h, "logit distances"): what the full step's dz needs of a logit, in 16 bits.
+// After the statistics, each logit z (bias included) is stored as math::logit_distance(m, z), its distance below
+// m, its row's max over the tile (`tile_max`, which the statistics write anyway); dz_from_distances (kernels.h) reads
+// z back from it. Half the bytes of fp32 logits: half the store, half dz's read, no separate statistics pass, and
+// twice the rows per chunk in the same memory (README, "Logit distances").
 // distances[rows, ld_distances] (uint16, V columns; V and ld_distances multiples of 8: the TMA store's 16 bytes) and
 // the statistics into `stats`, from one promoted GEMM (variant 0). Throws CudaError when it cannot run the shape.
 void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,

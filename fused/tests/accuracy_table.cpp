@@ -32,6 +32,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--logits-k-slice", options.logits_k_slice,
                  "cuda: hidden units per logits-GEMM slice (0: one GEMM; default from fused::Options)");
+  app.add_flag("--logit-distances", options.logit_distances,
+               "dz from 16-bit logit distances (fused::Options::logit_distances)");
   CLI11_PARSE(app, argc, argv);
   try {
     options.backend = fused::resolve(fused::backend_from_name(backend));
@@ -40,9 +42,10 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  std::printf("%s backend, T=%lld H=%lld V=%lld, logits_k_slice %lld, ignore pattern prompt_prefix, default "
-              "hyperparameters\n", backend.c_str(), static_cast<long long>(T), static_cast<long long>(H),
-              static_cast<long long>(V), static_cast<long long>(options.logits_k_slice));
+  std::printf("%s backend, T=%lld H=%lld V=%lld, logits_k_slice %lld, dz from %s, ignore pattern prompt_prefix, "
+              "default hyperparameters\n", backend.c_str(), static_cast<long long>(T), static_cast<long long>(H),
+              static_cast<long long>(V), static_cast<long long>(options.logits_k_slice),
+              options.logit_distances ? "16-bit logit distances" : "fp32 logits");
   std::printf("%4s %6s | %-21s | %-21s | %9s %9s %9s | %8s %8s\n", "B", "scale", "grad_x err / floor",
               "grad_weight err / floor", "loss", "nll", "logps", "fused s", "ref s");
   bool all_pass = true;

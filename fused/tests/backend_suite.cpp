@@ -220,6 +220,38 @@ TEST(SIMPO_SUITE(Features), IgnoredRowsOfGradXAreExactlyZero) {
   EXPECT_GT(ignored, 0);
 }
 
+// Options::logit_distances: dz from 16-bit distances below each 192-column tile's row max (fused/simpo_math.h). The
+// bar at both logit scales (at 30 many distances saturate) with the features that reach dz (bias, ignored rows,
+// label smoothing), V a multiple of the tile, not one, and not a multiple of 8 (cuda then keeps fp32 logits), in
+// both schedules; and agreement with fp32 logits to fp32 noise: the rounding moves each softmax value by <= 2^-12
+// relative, an eighth of dz's own bf16 rounding, and leaves the scalars alone.
+TEST(SIMPO_SUITE(Features), LogitDistancesMeetTheBarAndAgreeWithFp32Logits) {
+  SKIP_WITHOUT_BACKEND();
+  for (Shape shape : {Shape{.B = 4, .T = 100, .H = 256, .V = 384}, Shape{.B = 4, .T = 100, .H = 256, .V = 1000},
+                      Shape{.B = 4, .T = 100, .H = 264, .V = 389}}) {
+    for (double scale : {2.0, 30.0}) {
+      CaseSpec spec = spec_of(shape, scale, 33);
+      spec.bias = true;
+      spec.ignore = IgnorePattern::random;
+      spec.hp.label_smoothing = 0.1;
+      const Problem problem = generate(spec);
+      const TensorMap exact = reference::compute(problem);
+      for (std::int64_t rows : {std::int64_t{0}, shape.T - 1}) {  // three_pass, two_pass
+        SCOPED_TRACE(shape.to_string() + ", scale " + std::to_string(scale) + ", max_chunk_rows " +
+                     std::to_string(rows));
+        Options distances = backend_options();
+        distances.max_chunk_rows = rows;
+        distances.logit_distances = true;
+        Options fp32 = distances;
+        fp32.logit_distances = false;
+        const TensorMap out = compute(problem, distances);
+        expect_meets_bar(out, exact, scale);
+        expect_same_to_fp32_noise(out, compute(problem, fp32), &exact);
+      }
+    }
+  }
+}
+
 // ---- schedules: one result up to fp32 noise ----
 
 TEST(SIMPO_SUITE(Schedules), TwoPassAgreesWithThreePass) {

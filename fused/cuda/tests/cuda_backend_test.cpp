@@ -10,6 +10,7 @@
 #include "fused/cuda/promoted_stats.h"
 #include "fused/fused.h"
 #include "fused/schedule.h"
+#include "fused/simpo_math.h"
 #include "fused/tests/backend_suite.h"
 #include "problem/generate.h"
 #include "reference/reference.h"
@@ -209,10 +210,9 @@ TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
     for (std::int64_t v = 0; v < V; ++v) {
       const float z = logits[r * ld + v] + float(bias[v]);
       const float m = tile_max[(v / cuda::promoted_stats_tile_columns) * rows + r];
-      const float expected = std::min(std::nearbyint((m - z) * cuda::logit_distance_scale),
-                                      static_cast<float>(cuda::logit_distance_saturated));
+      const float expected = math::logit_distance(m, z);
       wrong += q[r * ld + v] != static_cast<std::uint16_t>(expected);
-      saturated += expected == cuda::logit_distance_saturated;
+      saturated += expected == math::logit_distance_saturated;
     }
     for (std::int64_t v = V; v < ld; ++v) untouched_padding += q[r * ld + v] == 0x5A5A;
   }
