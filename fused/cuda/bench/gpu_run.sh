@@ -8,7 +8,8 @@
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
 #                                                  and its variants), sanitize (memcheck on the suite, racecheck on
 #                                                  small cases); logs in $OUT
-# Knobs (environment): BENCH_VARIANTS, BENCH_EXTRA (';'-separated cuda_bench argument sets), SMALL_WORKSPACE,
+# Knobs (environment): BENCH_VARIANTS, BENCH_EXTRA (';'-separated cuda_bench argument sets), ACCURACY_EXTRA (the
+# same for fused_accuracy_table), SMALL_WORKSPACE,
 # PEERS_JSON (default: bench/peers.json), MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY. The
 # second round's run: BENCHMARKS.md, "Second round".
 set -u
@@ -68,6 +69,14 @@ if want accuracy; then
   echo "== accuracy table, default logits GEMM"
   $acc --H 1024 2>&1 | tee "$OUT/accuracy.log"
   $acc --H 4096 --B 2 8 2>&1 | tee -a "$OUT/accuracy.log"
+  # ACCURACY_EXTRA: ';'-separated flag sets, the same table again with each (e.g. --logit-distances).
+  aextra=()
+  [ -n "${ACCURACY_EXTRA:-}" ] && IFS=';' read -r -a aextra <<< "$ACCURACY_EXTRA"
+  for args in "${aextra[@]}"; do
+    echo "== accuracy table $args"
+    $acc --H 1024 $args 2>&1 | tee -a "$OUT/accuracy.log"
+    $acc --H 4096 --B 2 8 $args 2>&1 | tee -a "$OUT/accuracy.log"
+  done
 fi
 
 if want bench; then
