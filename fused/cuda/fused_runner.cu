@@ -266,17 +266,17 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   // and the forward stores no logits (the epilogue statistics need 16 bytes per row and tile, not 4 per logit).
   const bool epilogue_stats_asked = tuning.epilogue_stats == Tuning::EpilogueStats::always ||
                                     (tuning.epilogue_stats == Tuning::EpilogueStats::forward && !gradients);
+  // Tuning::logit_distances: the chunk keeps 16-bit distances, its statistics come from the same epilogue.
+  const bool distances = gradients && tuning.logit_distances && epilogue_stats_run && V % 8 == 0;
   const bool low_memory = epilogue_stats_run && tuning.low_memory != Tuning::LowMemory::never &&
                           (tuning.low_memory == Tuning::LowMemory::always ||
-                           rows_fitting(layout_for(epilogue_stats_asked)) < 2 * T);
+                           rows_fitting(layout_for(epilogue_stats_asked || distances, distances)) < 2 * T);
   report_.vocab_slice_columns = report_.vocab_slices = report_.block_rows = report_.row_blocks = 0;
   if (gradients && low_memory) {
     const SlicedLayout sliced = sliced_layout(s, std::max<std::int64_t>(budget, 0), promoted_stats_tiles(V),
                                               /*grad_w_slice=*/g->grad_weight == nullptr);
     if (sliced.fits()) return run_low_memory(p, *g, options, tuning);
   }
-  // Tuning::logit_distances: the chunk keeps 16-bit distances, its statistics come from the same epilogue.
-  const bool distances = gradients && tuning.logit_distances && epilogue_stats_run && V % 8 == 0;
   report_.logit_distances = distances;
   const bool epilogue_stats =
       epilogue_stats_run && (epilogue_stats_asked || distances || (!gradients && low_memory));
