@@ -156,20 +156,25 @@ std::int64_t promoted_stats_tiles(std::int64_t V) {
   return (V + promoted_stats_tile_columns - 1) / promoted_stats_tile_columns;
 }
 
+namespace {
+// What both statistics GEMMs check before they run; `what` names the GEMM in the errors.
+void check_statistics_gemm(const char* what, std::int64_t rows, std::int64_t promotion_k, const LogitTileStats& stats) {
+  if (promotion_k < 0 || promotion_k % promoted_k_granule != 0)
+    throw CudaError(std::string(what) + ": promotion_k " + std::to_string(promotion_k) + " is not a multiple of " +
+                    std::to_string(promoted_k_granule));
+  if (stats.ld < rows)
+    throw CudaError(std::string(what) + ": ld " + std::to_string(stats.ld) + " < rows " + std::to_string(rows));
+}
+}  // namespace
+
 void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
                            const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits,
                            std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,
                            void* workspace, std::size_t workspace_bytes) {
   if (rows == 0 || V == 0) return;
-  if (promotion_k < 0 || promotion_k % promoted_k_granule != 0)
-    throw CudaError("promoted logits GEMM: promotion_k " + std::to_string(promotion_k) + " is not a multiple of " +
-                    std::to_string(promoted_k_granule));
-  if (V % 4 != 0)
-    throw CudaError("promoted logits GEMM with statistics: V = " + std::to_string(V) + " is not a multiple of 4");
-  if (stats.ld < rows)
-    throw CudaError("promoted logits GEMM with statistics: ld " + std::to_string(stats.ld) + " < rows " +
-                    std::to_string(rows));
   constexpr const char* what = "promoted logits GEMM with statistics";
+  check_statistics_gemm(what, rows, promotion_k, stats);
+  if (V % 4 != 0) throw CudaError(std::string(what) + ": V = " + std::to_string(V) + " is not a multiple of 4");
   if (logits != nullptr)
     StatsGemm::run(what, rows, V, ld_h, x, weight, logits, ld_logits, promotion_k, stats, stream, workspace,
                    workspace_bytes);
@@ -183,17 +188,13 @@ void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t l
                                std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,
                                void* workspace, std::size_t workspace_bytes) {
   if (rows == 0 || V == 0) return;
-  if (promotion_k < 0 || promotion_k % promoted_k_granule != 0)
-    throw CudaError("promoted logits GEMM: promotion_k " + std::to_string(promotion_k) + " is not a multiple of " +
-                    std::to_string(promoted_k_granule));
+  constexpr const char* what = "promoted logits GEMM with distances";
+  check_statistics_gemm(what, rows, promotion_k, stats);
   if (V % 8 != 0 || ld_distances % 8 != 0 || ld_distances < V)
-    throw CudaError("promoted logits GEMM with distances: V = " + std::to_string(V) + " and ld " +
-                    std::to_string(ld_distances) + " must be multiples of 8, ld >= V");
-  if (stats.ld < rows)
-    throw CudaError("promoted logits GEMM with distances: ld " + std::to_string(stats.ld) + " < rows " +
-                    std::to_string(rows));
-  DistancesGemm::run("promoted logits GEMM with distances", rows, V, ld_h, x, weight, distances, ld_distances,
-                     promotion_k, stats, stream, workspace, workspace_bytes);
+    throw CudaError(std::string(what) + ": V = " + std::to_string(V) + " and ld " + std::to_string(ld_distances) +
+                    " must be multiples of 8, ld >= V");
+  DistancesGemm::run(what, rows, V, ld_h, x, weight, distances, ld_distances, promotion_k, stats, stream, workspace,
+                     workspace_bytes);
 }
 
 #else  // without CUTLASS or an sm_90a target: the runner keeps the separate statistics pass
