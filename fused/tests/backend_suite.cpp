@@ -223,8 +223,9 @@ TEST(SIMPO_SUITE(Features), IgnoredRowsOfGradXAreExactlyZero) {
 // Options::logit_distances: dz from 16-bit distances below each 192-column tile's row max (fused/simpo_math.h). The
 // bar at both logit scales (at 30 many distances saturate) with the features that reach dz (bias, ignored rows,
 // label smoothing), V a multiple of the tile, not one, and not a multiple of 8 (cuda then keeps fp32 logits), in
-// both schedules; and agreement with fp32 logits to fp32 noise: the rounding moves each softmax value by <= 2^-12
-// relative, an eighth of dz's own bf16 rounding, and leaves the scalars alone.
+// both schedules, with bf16 and fp32 weight gradients (cuda: the hi/lo pair or the fp32 accumulator); and agreement
+// with fp32 logits to fp32 noise: the rounding moves each softmax value by <= 2^-12 relative, an eighth of dz's own
+// bf16 rounding, and leaves the scalars alone.
 TEST(SIMPO_SUITE(Features), LogitDistancesMeetTheBarAndAgreeWithFp32Logits) {
   SKIP_WITHOUT_BACKEND();
   for (Shape shape : {Shape{.B = 4, .T = 100, .H = 256, .V = 384}, Shape{.B = 4, .T = 100, .H = 256, .V = 1000},
@@ -236,11 +237,14 @@ TEST(SIMPO_SUITE(Features), LogitDistancesMeetTheBarAndAgreeWithFp32Logits) {
       spec.hp.label_smoothing = 0.1;
       const Problem problem = generate(spec);
       const TensorMap exact = reference::compute(problem);
-      for (std::int64_t rows : {std::int64_t{0}, shape.T - 1}) {  // three_pass, two_pass
+      // three_pass with bf16 and with fp32 weight gradients, two_pass
+      for (const auto& [rows, grad_weight_f32] :
+           {std::pair{std::int64_t{0}, false}, std::pair{std::int64_t{0}, true}, std::pair{shape.T - 1, false}}) {
         SCOPED_TRACE(shape.to_string() + ", scale " + std::to_string(scale) + ", max_chunk_rows " +
-                     std::to_string(rows));
+                     std::to_string(rows) + (grad_weight_f32 ? ", fp32 grad_weight" : ""));
         Options distances = backend_options();
         distances.max_chunk_rows = rows;
+        distances.grad_weight_f32 = grad_weight_f32;
         distances.logit_distances = true;
         Options fp32 = distances;
         fp32.logit_distances = false;
