@@ -5,17 +5,23 @@
                    [--series TEXT [--series TEXT ...]]
 
 BENCH_LOG: cuda_bench output; its "JSON {...}" lines (one per B: floor and fused times, extra memory, the logits
-GEMM used) are collected, the first line per (B, logits GEMM, workspace) kept. PEERS.json (optional, measured with
+GEMM and full-step form used, where grad_W accumulated) are collected, the first line per (B, form, workspace) kept,
+the form being the logits description and the grad_W one together. PEERS.json (optional, measured with
 torch, Liger and CCE in the same device call): {"peers": {"name": {"B": [..], "full_ms": [..], "fwd_ms": [..]}}}.
 The plot (matplotlib, present on the GPU machine) shows the fused full step and forward, the floors (bf16-output
 cuBLAS GEMMs, 3 and 1), the 1.15x / 1.10x bars and the peers' full steps. The fused series plotted: the first
-logits GEMM in the log (gpu_run.sh runs the default first), or each --series (rows whose logits description
-contains TEXT, LABEL=TEXT to name it; the floors are each B's first series' own).
+form in the log (gpu_run.sh runs the default first), or each --series (rows whose form contains TEXT,
+LABEL=TEXT to name it; the floors are each B's first series' own).
 """
 import argparse
 import json
 import sys
 import textwrap
+
+
+def form(row):
+    """What was measured: the logits GEMM and the full step's form, and where grad_W accumulated."""
+    return row["logits"] + "; grad_W: " + row.get("grad_w", "")
 
 
 def read_rows(paths):
@@ -26,7 +32,7 @@ def read_rows(paths):
                 if not line.startswith("JSON "):
                     continue
                 row = json.loads(line[5:])
-                key = (row["B"], row["logits"], row["workspace_mib"])
+                key = (row["B"], form(row), row["workspace_mib"])
                 if key not in seen:
                     seen.add(key)
                     rows.append(row)
@@ -61,8 +67,8 @@ def main():
         widest = max(x["workspace_mib"] for x in rows)
         default = sorted((r for r in rows if r["workspace_mib"] == widest), key=lambda r: r["B"])
         # The first run in the log is the default one (gpu_run.sh runs it first).
-        first = default[0]["logits"] if default else rows[0]["logits"]
-        pick = lambda text: [r for r in default if (text in r["logits"] if text else r["logits"] == first)]
+        first = form(default[0] if default else rows[0])
+        pick = lambda text: [r for r in default if (text in form(r) if text else form(r) == first)]
         # --series LABEL=TEXT names the series LABEL in the legend (TEXT alone: the text itself).
         split = [(a.split("=", 1) if "=" in a else [a, a]) for a in args.series] or [[None, None]]
         series = [(label, pick(text)) for label, text in split]
@@ -97,7 +103,7 @@ def main():
         fig.savefig(args.png, dpi=120)
     for r in rows:
         print("B=%-3d %-48s ws %5d MiB | fwd %7.2f / %7.2f = %.3f | full %7.2f / %7.2f = %.3f | extra %.0f MiB" % (
-            r["B"], r["logits"], r["workspace_mib"], r["fused_fwd_ms"], r["floor_fwd_ms"], r["fwd_over_floor"],
+            r["B"], form(r), r["workspace_mib"], r["fused_fwd_ms"], r["floor_fwd_ms"], r["fwd_over_floor"],
             r["fused_full_ms"], r["floor_full_ms"], r["full_over_floor"], r["extra_mib"]))
     return 0
 
