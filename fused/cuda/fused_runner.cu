@@ -300,6 +300,7 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
       hi = g->grad_weight_bf16;
       lo = accumulator_.as<__nv_bfloat16>();
       report_.grad_weight = RunReport::GradWeight::hilo;
+      report_.weight_gemm_sms = tuning.weight_gemm_sms;
       report_.accumulator_bytes = static_cast<std::int64_t>(bytes);
     } else if (g->grad_weight) {
       grad_weight_f32 = g->grad_weight;
@@ -469,18 +470,15 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     // cuBLASLt scratch to itself (the weight GEMM takes none). The main stream joins it before grad_x is read.
     const bool side_by_side = hi != nullptr && tuning.weight_gemm_sms > 0;
     if (side_by_side) SIMPO_CUDA_CHECK(cudaEventRecord(fork_, stream_));
-    if (!side_by_side) gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows);
+    else gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows);
     if (hi) {
       // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
       // term, per target once, after both (each reads and writes the pair).
       const std::int64_t V8 = V / 8 * 8;
-      if (side_by_side)
-        hilo_accumulate_grad_weight(rows, V8, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm, stream_,
-                                    nullptr, 0, tuning.hilo_variant, tuning.weight_gemm_sms);
-      else
-        hilo_accumulate_grad_weight(rows, V8, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm,
-                                    stream_, base + layout.gemm, static_cast<std::size_t>(gemm_bytes_),
-                                    tuning.hilo_variant);
+      hilo_accumulate_grad_weight(rows, V8, H, dz_rows, ld_dz, x_chunk, ld_h, hi, lo, H, first_weight_gemm, stream_,
+                                  side_by_side ? nullptr : base + layout.gemm,
+                                  side_by_side ? 0 : static_cast<std::size_t>(gemm_bytes_), tuning.hilo_variant,
+                                  tuning.weight_gemm_sms);
       if (side_by_side) {
         SIMPO_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_, 0));
         gemms_->grad_x(rows, V, ld_h, dz_rows, ld_dz, p.weight, gx_rows, /*accumulate=*/false,
@@ -528,8 +526,6 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
     launch_pair_math(pair_params, pair_begin, pair_end, p.target, lse, z_target, completion_tokens, avg_grad,
                      stream_);
   };
-
-  if (hi != nullptr) report_.weight_gemm_sms = tuning.weight_gemm_sms;
 
   // No host synchronization from here to the copy of the row statistics at the end.
   const Schedule& schedule = report_.schedule;

@@ -42,16 +42,12 @@ Gemms::Gemms(cudaStream_t stream, void* workspace, std::size_t workspace_bytes)
     : stream_(stream), workspace_(workspace), workspace_bytes_(workspace_bytes) {
   SIMPO_CUBLAS_CHECK(cublasLtCreate(&lt_));
   SIMPO_CUBLAS_CHECK(cublasCreate(&blas_));
-  SIMPO_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
-  set_workspace(workspace, workspace_bytes);
 }
 
 void Gemms::set_workspace(void* workspace, std::size_t workspace_bytes) {
   if (workspace_bytes != workspace_bytes_) choices_.clear();
   workspace_ = workspace;
-  workspace_bytes_ = workspace_bytes;
-  // cuBLAS would otherwise take its own workspace outside the budget.
-  SIMPO_CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
+  workspace_bytes_ = workspace_bytes;  // the fallback's cuBLAS handle takes it at each call (gemm)
 }
 
 Gemms::~Gemms() {
@@ -120,16 +116,10 @@ void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
     return;
   }
   ++fallback_calls_;
-  // The fallback's handle is bound to the Gemms' stream; another placement borrows it for this one call.
-  if (stream != stream_) SIMPO_CUBLAS_CHECK(cublasSetStream(blas_, stream));
-  struct RestoreStream {
-    cublasHandle_t blas;
-    cudaStream_t own;
-    bool moved;
-    ~RestoreStream() {
-      if (moved) cublasSetStream(blas, own);
-    }
-  } restore{blas_, stream_, stream != stream_};
+  // The cuBLAS handle serves only this fallback: each call binds it to its placement's stream and then to the
+  // scratch (cublasSetStream puts the handle back on cuBLAS's own workspace pool, outside the budget).
+  SIMPO_CUBLAS_CHECK(cublasSetStream(blas_, stream));
+  SIMPO_CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
   SIMPO_CUBLAS_CHECK(cublasGemmEx(blas_, op_a, op_b, as_int(m, "m"), as_int(n, "n"), as_int(k, "k"), &alpha, A,
                                   CUDA_R_16BF, as_int(lda, "lda"), B, CUDA_R_16BF, as_int(ldb, "ldb"), &beta, C,
                                   CUDA_R_32F, as_int(ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));

@@ -222,14 +222,15 @@ TEST(SIMPO_SUITE(Features), IgnoredRowsOfGradXAreExactlyZero) {
 
 // Options::logit_distances: dz from 16-bit distances below each 192-column tile's row max (fused/simpo_math.h). The
 // bar at both logit scales (at 30 many distances saturate) with the features that reach dz (bias, ignored rows,
-// label smoothing), V a multiple of the tile, not one, and not a multiple of 8 (cuda then keeps fp32 logits), in
+// label smoothing), V a multiple of the tile, not one, and not a multiple of 8 (cuda then keeps fp32 logits), 33 tiles
+// to a row with 130-row sequences (cuda: chunks of two pairs, tiles of rows cut by the parts), in
 // both schedules, with bf16 and fp32 weight gradients (cuda: the hi/lo pair or the fp32 accumulator); and agreement
 // with fp32 logits to fp32 noise: the rounding moves each softmax value by <= 2^-12 relative, an eighth of dz's own
 // bf16 rounding, and leaves the scalars alone.
 TEST(SIMPO_SUITE(Features), LogitDistancesMeetTheBarAndAgreeWithFp32Logits) {
   SKIP_WITHOUT_BACKEND();
   for (Shape shape : {Shape{.B = 4, .T = 100, .H = 256, .V = 384}, Shape{.B = 4, .T = 100, .H = 256, .V = 1000},
-                      Shape{.B = 4, .T = 100, .H = 264, .V = 389}}) {
+                      Shape{.B = 4, .T = 100, .H = 264, .V = 389}, Shape{.B = 4, .T = 130, .H = 200, .V = 6152}}) {
     for (double scale : {2.0, 30.0}) {
       CaseSpec spec = spec_of(shape, scale, 33);
       spec.bias = true;

@@ -139,7 +139,12 @@ TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
 
 // ---- logit distances (Tuning::logit_distances) ----
 
-std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng);
+std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-scale, scale);
+  std::vector<bf16> out(n);
+  for (auto& v : out) v = bf16(static_cast<float>(u(rng)));
+  return out;
+}
 
 // The distances GEMM against the fp32-logits statistics GEMM of the same mainloop (so the same logits, bit for bit):
 // every stored q is min(round((tile max - z) 2^11), 65535) of its logit (bias added) and its row's tile max, the
@@ -221,38 +226,13 @@ TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
   EXPECT_EQ(untouched_padding, rows * (ld - V)) << "the store wrote past column V";
 }
 
-// The full step with logit distances against the default (fp32 logits): both meet the bar and agree to fp32 noise,
-// in three_pass (chunks of two pairs where the budget allows, as tuning_for caps them) and two_pass, with a bias,
-// random ignored rows, logit scales 2 and 30; V % 8 != 0 falls back to the fp32 logits (and must still be right).
-// The runner reports the distances, keeps 2 bytes per logit, and its partials share grad_x's bytes.
-TEST(CudaBackendFeatures, LogitDistancesMeetTheBarInEverySchedule) {
+// The runner with logit distances (the bar and the agreement with fp32 logits are the backend suite's
+// LogitDistancesMeetTheBarAndAgreeWithFp32Logits, run on this backend too): it reports them, keeps 2 bytes per
+// logit, its partials share grad_x's bytes, and distance_chunk_rows sets the chunk (two pairs here).
+TEST(CudaBackendSchedules, LogitDistancesRunnerKeepsTwoBytesPerLogit) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the logit distances need the promoted GEMM (CUTLASS build, compute capability 9.0)";
-  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 200}, Shape{.B = 4, .T = 130, .H = 200, .V = 6152},
-                      Shape{.B = 2, .T = 60, .H = 64, .V = 388}}) {
-    for (const double scale : {2.0, 30.0}) {
-      CaseSpec spec = spec_of(shape, scale, 62);
-      spec.bias = true;
-      spec.ignore = IgnorePattern::random;
-      const Problem problem = generate(spec);
-      const TensorMap exact = reference::compute(problem);
-      for (const std::int64_t chunk_rows : {std::int64_t{0}, shape.T - 1}) {  // three_pass, two_pass
-        SCOPED_TRACE(shape.to_string() + ", scale " + std::to_string(scale) + ", max_chunk_rows " +
-                     std::to_string(chunk_rows));
-        Options options = cuda_options();
-        options.max_chunk_rows = chunk_rows;
-        cuda::Tuning fp32 = cuda::tuning_for(shape.H, options), distances = fp32;
-        ASSERT_FALSE(fp32.logit_distances) << "the default";
-        distances.logit_distances = true;
-        distances.distance_chunk_rows = 4 * shape.T;  // two pairs per chunk
-        const TensorMap out = cuda::compute(problem, options, distances);
-        expect_meets_bar(out, exact, spec.logit_scale);
-        expect_same_to_fp32_noise(out, cuda::compute(problem, options, fp32), &exact);
-      }
-    }
-  }
-  // The runner's report and layout.
   const Shape shape{.B = 4, .T = 64, .H = 96, .V = 304};
   const Problem problem = generate(spec_of(shape, 2.0, 63));
   cuda::FusedRunner runner;
@@ -275,13 +255,6 @@ TEST(CudaBackendFeatures, LogitDistancesMeetTheBarInEverySchedule) {
 }
 
 // ---- grad_W as a bf16 hi/lo pair ----
-
-std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> u(-scale, scale);
-  std::vector<bf16> out(n);
-  for (auto& v : out) v = bf16(static_cast<float>(u(rng)));
-  return out;
-}
 
 // Half a bf16 unit in the last place at |e| (8 significant bits: 2^(floor(log2 |e|) - 8)).
 double half_ulp_bf16(double e) { return e == 0 ? 0 : std::ldexp(1.0, std::ilogb(e) - 8); }
