@@ -8,6 +8,14 @@
 
 namespace simpo::fused {
 
+bool cuda_built() {
+#if SIMPO_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool cuda_available() {
 #if SIMPO_HAVE_CUDA
   // Asked once: probing the driver costs milliseconds and the answer does not change within a process.
@@ -45,6 +53,16 @@ TensorMap compute(const Problem& problem, const Options& options) {
     case Backend::automatic: break;
   }
   return cpu::compute(problem, options);
+}
+
+DeviceResult compute_on_device(const DeviceCall& call) {
+#if SIMPO_HAVE_CUDA
+  return cuda::compute_on_device(call);
+#else
+  (void)call;
+  throw InputError("inputs on a CUDA device, but this build has no cuda backend (no nvcc at build time): move them "
+                   "to the host, or rebuild where nvcc is installed");
+#endif
 }
 
 }  // namespace simpo::fused

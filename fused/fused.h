@@ -50,17 +50,17 @@ struct Options {
   bool gradients = true;           // false: forward only (loss and auxiliary outputs)
   bool grad_weight_f32 = false;    // grad_weight and grad_bias in F32 instead of BF16
   bool validate = true;            // false skips only the NaN/Inf scan of the inputs (SPEC)
-  // Scratch the algorithm may hold at once (chunk logits, dz, per-chunk grad_x); the fp32 grad_weight
-  // accumulator (V*H*4 bytes, the output itself when F32 is asked for) is extra. A budget that cannot hold the
-  // smallest chunk is an InputError naming both sizes.
+  // Scratch the algorithm may hold at once (chunk logits, dz, per-chunk grad_x). The grad_weight accumulator is
+  // extra: the output itself when F32 is asked for, else on cuda lo of a bf16 hi/lo pair (V*H*2 bytes, sm_90) or an
+  // fp32 one (V*H*4); the cuda low-memory schedule keeps an fp32 grad_x (N*H*4) instead. A budget that cannot hold
+  // the smallest chunk is an InputError naming both sizes.
   std::int64_t workspace_bytes = default_workspace_bytes;
   // Upper bound on token rows per chunk (0: the budget decides). Tests use it to put chunk boundaries at
   // awkward places without huge shapes; it never changes the result beyond fp32 noise.
   std::int64_t max_chunk_rows = 0;
   // cuda only: the logits GEMM accumulates at most this many hidden units in the tensor cores before the
-  // partial sums are added in ordinary fp32. The tensor cores' fp32 accumulation rounds toward zero (mean
-  // bias of the logits -3.2e-6 relative at K=4096, -1.5e-7 at 256; fused/cuda/BENCHMARKS.md), which alone
-  // breaks the 5e-7 bar on loss/nll/logps. On sm_90 one GEMM promotes every this many k (rounded to 64), at
+  // partial sums are added in ordinary fp32. The tensor cores' fp32 accumulation rounds toward zero (a bias that
+  // grows with k: fused/cuda/BENCHMARKS.md), which alone breaks the 5e-7 bar on loss/nll/logps. On sm_90 one GEMM promotes every this many k (rounded to 64), at
   // about the cost of an unpromoted GEMM; elsewhere k is cut into cuBLAS slices of this size, each extra slice
   // one more pass over the fp32 chunk logits. 0: one cuBLAS GEMM over all of H (biased scalars). Gradients are
   // unaffected either way.
@@ -68,16 +68,46 @@ struct Options {
   // The backward's dz from 16-bit logit distances (fused/simpo_math.h) rather than fp32 logits: each logit read
   // back as its tile's row max minus a multiple of 2^-11, so each softmax value moves by <= 2^-12 relative (an
   // eighth of dz's own bf16 rounding); the scalars do not change. On cuda the full step then keeps 2 bytes per logit
-  // (where the promoted GEMM's epilogue statistics run and V % 8 == 0; elsewhere fp32 logits), on cpu dz takes the
-  // same rounding, so the backends compute the same numbers.
-  bool logit_distances = false;
+  // (where the promoted GEMM's epilogue statistics run and V % 8 == 0; elsewhere fp32 logits): half the store and
+  // dz's read, twice the rows per chunk, the faster step (fused/cuda/BENCHMARKS.md). On cpu dz takes the same
+  // rounding, so the backends compute the same numbers.
+  bool logit_distances = true;
   Mutant mutant = Mutant::none;
 };
 
+bool cuda_built();      // the cuda backend was built (nvcc at configure time)
 bool cuda_available();  // a CUDA device is present and the cuda backend was built
 Backend resolve(Backend);  // automatic -> cuda when available, else cpu; cuda without a device: InputError
 
 // SPEC's outputs: scalars and per-pair tensors F32, grad_x BF16, grad_weight/grad_bias BF16 or F32.
 TensorMap compute(const Problem&, const Options& = {});
+
+// Inputs already on a CUDA device (torch, CuPy): the cuda backend on caller-owned device memory, nothing copied
+// through the host but the targets (N int64: the per-sequence math of the forward outputs is host code).
+struct DeviceCall {
+  Shape shape;
+  Hyperparameters hp;
+  int device = 0;
+  std::uintptr_t stream = 0;  // the caller's cudaStream_t (0: the legacy default stream); the call is ordered on it
+  // Inputs, dense and row-major: x bf16 [B,T,H], weight bf16 [V,H], bias bf16 [V] (0: none), target int64 [B,T].
+  std::uintptr_t x = 0, weight = 0, bias = 0, target = 0;
+  // Outputs, dense, the caller's: grad_x bf16 [B,T,H]; grad_weight [V,H] and grad_bias [V], bf16 or (with
+  // options.grad_weight_f32) f32, each 16-byte aligned. Unused without options.gradients.
+  std::uintptr_t grad_x = 0, grad_weight = 0, grad_bias = 0;
+  Options options;
+  // Keep the backend's scratch for the next call (a training loop calls once per step); false frees it at the end.
+  bool keep_workspace = false;
+};
+struct DeviceResult {
+  TensorMap forward;                  // loss, nll_loss, *_logps, *_logits_mean, *_rewards (F32, host)
+  std::int64_t workspace_bytes = 0;   // the backend's scratch
+  // Beyond the workspace: this call's padded copies and fp32 accumulators, and the backend's grad_weight
+  // accumulator (the lo half of the hi/lo pair, or an fp32 one).
+  std::int64_t extra_device_bytes = 0;
+  std::string plan;                   // the plan that ran (fused/cuda/plan.h), for logs
+};
+// Validates as compute() does (SPEC's rules; the NaN/Inf scan on the device unless options.validate is false).
+// InputError where the build has no cuda backend.
+DeviceResult compute_on_device(const DeviceCall&);
 
 }  // namespace simpo::fused

@@ -95,4 +95,27 @@ Schedule plan_rows(const Shape& shape, std::int64_t rows_that_fit, const Options
   return s;
 }
 
+void walk(const Schedule& schedule, const Shape& shape, const Stages& stages) {
+  switch (schedule.mode) {
+    case Mode::three_pass:
+      for (const Chunk& c : schedule.chunks) {
+        stages.forward(c, /*keep=*/true);
+        stages.pair_math(c.pair_begin, c.pair_end);
+        stages.backward(c);
+      }
+      return;
+    case Mode::two_pass:
+      for (const Chunk& c : schedule.chunks) stages.forward(c, /*keep=*/false);
+      stages.pair_math(0, shape.P());
+      for (const Chunk& c : schedule.chunks) {
+        stages.logits(c);  // recomputed: the budget could not keep a whole pair's logits
+        stages.backward(c);
+      }
+      return;
+    case Mode::forward_only:
+      for (const Chunk& c : schedule.chunks) stages.forward(c, /*keep=*/false);
+      return;
+  }
+}
+
 }  // namespace simpo::fused

@@ -1,5 +1,7 @@
-// The chunk plan both fused backends follow, so they cut the token rows at the same places and their results
-// agree to fp32 noise. Chunks are sized from Options::workspace_bytes (and capped by max_chunk_rows):
+// The chunk schedule every fused backend follows, and walk(), the one place its modes are spelled out. Each
+// backend counts its own bytes per row (cpu: workspace_bytes_per_row below; cuda: fused/cuda/plan.h) and asks
+// plan_rows for chunks of the rows that fit (capped by Options::max_chunk_rows); where the chunks fall changes
+// the results by fp32 noise only (the backend suite checks it).
 //
 //   three_pass   chunks of whole pairs: pairs [p0, p1) are rows [p0 T, p1 T) (chosen) and [(P+p0) T, (P+p1) T)
 //                (rejected), two GEMMs into one logits buffer. With both halves of every pair present, k is
@@ -14,6 +16,7 @@
 #include "problem/problem.h"
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -65,5 +68,20 @@ Schedule plan(const Shape&, const Options&, bool allow_three_pass = true);
 // capped by options.max_chunk_rows), options.workspace_bytes unread. plan() is this with rows_that_fit =
 // workspace_bytes / workspace_bytes_per_row.
 Schedule plan_rows(const Shape&, std::int64_t rows_that_fit, const Options&, bool allow_three_pass = true);
+
+// The stages of a step, as a backend implements them. walk() calls them in the order the schedule's mode asks:
+//   three_pass    per chunk: forward(c, keep = true), pair_math(c's pairs), backward(c)
+//   two_pass      per chunk: forward(c, false); pair_math(all pairs); per chunk: logits(c), backward(c)
+//   forward_only  per chunk: forward(c, false)
+struct Stages {
+  // The chunk's logits and their row statistics; keep: its backward follows before the next chunk, so the chunk's
+  // logits (or what dz needs of them) stay in its buffers.
+  std::function<void(const Chunk&, bool keep)> forward;
+  // dL/davg of pairs [pair_begin, pair_end), once their rows' statistics are known.
+  std::function<void(std::int64_t pair_begin, std::int64_t pair_end)> pair_math;
+  std::function<void(const Chunk&)> logits;    // two_pass: the chunk's logits again, to be kept for its backward
+  std::function<void(const Chunk&)> backward;  // dz from the kept logits, the gradient GEMMs
+};
+void walk(const Schedule&, const Shape&, const Stages&);
 
 }  // namespace simpo::fused

@@ -93,6 +93,25 @@ template <class T> std::vector<T> values_of(const Tensor& t) {
 
 }  // namespace
 
+Hyperparameters hyperparameters_from_metadata(const std::map<std::string, std::string>& metadata) {
+  Hyperparameters hp;
+  for (const auto& [key, value] : metadata) {
+    if (key == "beta") hp.beta = parse_double(key, value);
+    else if (key == "gamma") hp.gamma = parse_double(key, value);
+    else if (key == "alpha") hp.alpha = parse_double(key, value);
+    else if (key == "label_smoothing") hp.label_smoothing = parse_double(key, value);
+    else if (key == "grad_scale") hp.grad_scale = parse_double(key, value);
+    else if (key == "compute_nll_loss") hp.compute_nll_loss = parse_bool(key, value);
+    else if (key == "ignore_index") hp.ignore_index = parse_int(key, value);
+    else if (key == "empty_sequence") {
+      if (value == "error") hp.empty_sequence = EmptySequence::error;
+      else if (value == "zero") hp.empty_sequence = EmptySequence::zero;
+      else throw InputError("metadata empty_sequence = \"" + value + "\" is not \"error\" or \"zero\"");
+    } else if (key != "seed" && key != "description" && !foreign_metadata_key(key)) unknown_metadata_key(key);
+  }
+  return hp;
+}
+
 Problem problem_from_file(const SafetensorsFile& f, const std::string& source) {
   const Tensor& x = require(f, source, "x", DType::BF16, 3);
   const Tensor& w = require(f, source, "weight", DType::BF16, 2);
@@ -118,24 +137,11 @@ Problem problem_from_file(const SafetensorsFile& f, const std::string& source) {
     if (name != "x" && name != "weight" && name != "bias" && name != "target")
       throw InputError(source + ": unexpected tensor \"" + name + "\" in an inputs file");
 
-  Hyperparameters& hp = p.hp;
   try {
-    for (const auto& [key, value] : f.metadata) {
-      if (key == "beta") hp.beta = parse_double(key, value);
-      else if (key == "gamma") hp.gamma = parse_double(key, value);
-      else if (key == "alpha") hp.alpha = parse_double(key, value);
-      else if (key == "label_smoothing") hp.label_smoothing = parse_double(key, value);
-      else if (key == "grad_scale") hp.grad_scale = parse_double(key, value);
-      else if (key == "compute_nll_loss") hp.compute_nll_loss = parse_bool(key, value);
-      else if (key == "ignore_index") hp.ignore_index = parse_int(key, value);
-      else if (key == "empty_sequence") {
-        if (value == "error") hp.empty_sequence = EmptySequence::error;
-        else if (value == "zero") hp.empty_sequence = EmptySequence::zero;
-        else throw InputError("metadata empty_sequence = \"" + value + "\" is not \"error\" or \"zero\"");
-      } else if (key == "seed") p.seed = value;
-      else if (key == "description") p.description = value;
-      else if (!foreign_metadata_key(key)) unknown_metadata_key(key);
-    }
+    p.hp = hyperparameters_from_metadata(f.metadata);
+    if (auto seed = f.metadata.find("seed"); seed != f.metadata.end()) p.seed = seed->second;
+    if (auto description = f.metadata.find("description"); description != f.metadata.end())
+      p.description = description->second;
   } catch (const InputError& e) {
     throw InputError(source + ": " + e.what());
   }

@@ -10,6 +10,9 @@ namespace simpo {
 // __metadata__ (absent ones take SPEC's defaults); it does not run validate().
 Problem problem_from_file(const SafetensorsFile&, const std::string& source_name);
 SafetensorsFile problem_to_file(const Problem&);
+// An inputs file's __metadata__ as hyperparameters (absent ones take SPEC's defaults; seed, description and other
+// tools' keys are ignored; an unknown key or a value that does not parse is an InputError naming it).
+Hyperparameters hyperparameters_from_metadata(const std::map<std::string, std::string>& metadata);
 Problem load_problem(const std::string& path);
 void save_problem(const std::string& path, const Problem&, const std::vector<std::string>& never_replace = {});
 

@@ -89,42 +89,29 @@ class Run {
   }
 
   TensorMap compute() {
-    const auto& chunks = schedule_.chunks;
-    switch (schedule_.mode) {
-      case Mode::forward_only:
-        for (std::size_t i = 0; i < chunks.size(); ++i)
-          for (int repeat = 0; repeat < times_to_process(i); ++repeat) forward_chunk(chunks[i]);
-        break;
-      case Mode::three_pass:
-        for (std::size_t i = 0; i < chunks.size(); ++i)
-          for (int repeat = 0; repeat < times_to_process(i); ++repeat) {
-            forward_chunk(chunks[i]);
-            row_coefficients(problem_, targets_, stats_, chunks[i].pair_begin, chunks[i].pair_end, mutant_, k_);
-            gradient_chunk();
-          }
-        break;
-      case Mode::two_pass:
-        for (std::size_t i = 0; i < chunks.size(); ++i)
-          for (int repeat = 0; repeat < times_to_process(i); ++repeat) forward_chunk(chunks[i]);
-        all_row_coefficients();
-        for (std::size_t i = 0; i < chunks.size(); ++i)
-          for (int repeat = 0; repeat < times_to_process(i); ++repeat) {
-            logits(chunks[i]);  // recomputed: the stats of pass 1 are kept, the logits are not
-            gradient_chunk();
-          }
-        break;
-    }
+    // Each chunk's stages run times_to_process(chunk) times (the tail mutants); the pair math is idempotent.
+    auto repeated = [this](void (Run::*stage)(const Chunk&)) {
+      return [this, stage](const Chunk& c) {
+        for (int repeat = 0; repeat < times_to_process(c); ++repeat) (this->*stage)(c);
+      };
+    };
+    const auto forward = repeated(&Run::forward_chunk);
+    walk(schedule_, shape_,
+         Stages{.forward = [&](const Chunk& c, bool) { forward(c); },
+                .pair_math = [this](std::int64_t b, std::int64_t e) { pair_math(b, e); },
+                .logits = repeated(&Run::logits),  // recomputed: the stats of pass 1 are kept, the logits are not
+                .backward = repeated(&Run::gradient_chunk)});
     TensorMap out = forward_outputs(problem_, targets_, stats_, mutant_);
     if (options_.gradients) add_gradient_outputs(out);
     return out;
   }
 
  private:
-  // How many times chunk i is processed: once. MUTANT chunk_drops_tail: a last chunk shorter than the first is
+  // How many times a chunk is processed: once. MUTANT chunk_drops_tail: a last chunk shorter than the first is
   // skipped; MUTANT chunk_double_counts_tail: it is processed twice (its accumulations land twice).
-  int times_to_process(std::size_t i) const {
+  int times_to_process(const Chunk& chunk) const {
     const auto& chunks = schedule_.chunks;
-    const bool partial_tail = chunks.size() > 1 && i + 1 == chunks.size() && chunks[i].rows() < chunks[0].rows();
+    const bool partial_tail = chunks.size() > 1 && &chunk == &chunks.back() && chunk.rows() < chunks[0].rows();
     if (!partial_tail) return 1;
     if (mutant_ == Mutant::chunk_drops_tail) return 0;
     if (mutant_ == Mutant::chunk_double_counts_tail) return 2;
@@ -188,13 +175,13 @@ class Run {
     }
   }
 
-  // Step 3 for two_pass: k of every row from every row's stats.
-  void all_row_coefficients() {
-    const std::int64_t P = shape_.P();
+  // Step 3: k of the rows of pairs [pair_begin, pair_end) from their stats.
+  void pair_math(std::int64_t pair_begin, std::int64_t pair_end) {
     if (mutant_ != Mutant::pairs_split_across_chunks) {
-      row_coefficients(problem_, targets_, stats_, 0, P, mutant_, k_);
+      row_coefficients(problem_, targets_, stats_, pair_begin, pair_end, mutant_, k_);
       return;
     }
+    const std::int64_t P = shape_.P();
     // MUTANT pairs_split_across_chunks: chunks cut by rows, the chosen half in one, the rejected half in the
     // next; each half's k is computed with its partners' rows absent from the chunk (their stats read as 0).
     const std::int64_t half = P * shape_.T;
@@ -209,8 +196,8 @@ class Run {
     }
   }
 
-  // Steps 4-5 on the chunk whose logits (and rows_) logits() just produced.
-  void gradient_chunk() {
+  // Steps 4-5 on the chunk whose logits (and rows_) logits() or forward_chunk() just produced.
+  void gradient_chunk(const Chunk&) {
     const Eigen::Index R = static_cast<Eigen::Index>(rows_.size()), H = shape_.H, V = shape_.V;
 
     // Step 4: D = bf16(-k softmax) in place of the logits, 0 in the target column; c in fp32 on the side.

@@ -1,15 +1,17 @@
-// cuda::compute: validate, upload the inputs (rows padded to 8 elements), run the fused algorithm on the
-// device, download the outputs. The forward scalars come from fused/forward_outputs.h on the copied-back row
-// statistics, so they are bit-identical to the cpu backend's for identical statistics.
+// compute_on_device: validate, choose the buffers, order the streams, run the plan (cuda_backend.h says what each
+// part does). compute: a host problem through the same entry. The forward scalars come from
+// fused/forward_outputs.h on the copied-back row statistics, so they are bit-identical to the cpu backend's for
+// identical statistics.
 #include "fused/cuda/cuda_backend.h"
 
-#include <algorithm>
-
 #include "fused/cuda/cuda_check.h"
+#include "fused/cuda/device_buffer.h"
 #include "fused/cuda/device_fused.h"
-#include "fused/cuda/promoted_gemm.h"
 
-#include <cstring>
+#include <climits>
+#include <map>
+#include <memory>
+#include <sstream>
 
 namespace simpo::fused::cuda {
 
@@ -28,39 +30,222 @@ bool device_present() {
 
 namespace {
 
-// A [rows, cols] bf16 host matrix into a device [rows, ld] one whose extra columns are zero.
-DeviceBuffer upload_rows(const std::vector<bf16>& host, std::int64_t rows, std::int64_t cols, std::int64_t ld,
-                         const std::string& name, cudaStream_t stream) {
-  DeviceBuffer device(static_cast<std::size_t>(rows * ld * 2), name, stream);
-  if (ld != cols) SIMPO_CUDA_CHECK(cudaMemsetAsync(device.get(), 0, rows * ld * 2, stream));
-  SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(device.get(), ld * 2, host.data(), cols * 2, cols * 2, rows,
-                                     cudaMemcpyHostToDevice, stream));
-  return device;
+// This thread's runner for a device, kept between calls: its stream and cuBLAS handles cost milliseconds to make,
+// a sweep calls thousands of times from each of its threads, and a training loop once per step. Destroyed when the
+// thread ends.
+FusedRunner& runner_for(int device) {
+  thread_local std::map<int, std::unique_ptr<FusedRunner>> runners;
+  auto& runner = runners[device];
+  if (!runner) runner = std::make_unique<FusedRunner>();
+  return *runner;
 }
 
-// A dense device buffer into a new host tensor of `dtype` and `shape`.
-Tensor download(const void* device, DType dtype, std::vector<std::int64_t> shape, cudaStream_t stream) {
-  Tensor t(dtype, std::move(shape));
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(t.bytes.data(), device, t.bytes.size(), cudaMemcpyDeviceToHost, stream));
-  return t;
+// Lowest flat index of a NaN or Inf (bf16 exponent all ones) in p[0, n), by atomicMin into *first.
+__global__ void first_nonfinite(const std::uint16_t* p, std::int64_t n, unsigned long long* first) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    if ((p[i] & 0x7f80u) == 0x7f80u) atomicMin(first, static_cast<unsigned long long>(i));
 }
 
-// This thread's runner, kept between calls: its stream and cuBLAS handles cost milliseconds to make, and a
-// sweep calls compute() thousands of times from each of its threads. Destroyed when the thread ends.
-FusedRunner& thread_runner() {
-  thread_local FusedRunner runner;
-  return runner;
+// SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message.
+void scan_values(const DeviceCall& c, cudaStream_t stream) {
+  const Shape& s = c.shape;
+  struct Scan {
+    const char* name;
+    std::uintptr_t p;
+    std::vector<std::int64_t> shape;
+  };
+  std::vector<Scan> scans = {{"x", c.x, {s.B, s.T, s.H}}, {"weight", c.weight, {s.V, s.H}}};
+  if (c.bias) scans.push_back({"bias", c.bias, {s.V}});
+  int device = 0, sms = 0;
+  SIMPO_CUDA_CHECK(cudaGetDevice(&device));
+  SIMPO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  DeviceBuffer first(scans.size() * sizeof(unsigned long long), "the NaN/Inf scan's result", stream);
+  SIMPO_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xff, first.bytes(), stream));
+  for (std::size_t i = 0; i < scans.size(); ++i) {
+    std::int64_t n = 1;
+    for (auto d : scans[i].shape) n *= d;
+    const int blocks = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms} * 16));
+    first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(scans[i].p), n,
+                                                first.as<unsigned long long>() + i);
+    SIMPO_CUDA_CHECK_LAUNCH();
+  }
+  std::vector<unsigned long long> host(scans.size());
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(host.data(), first.get(), first.bytes(), cudaMemcpyDeviceToHost, stream));
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (std::size_t i = 0; i < scans.size(); ++i) {
+    if (host[i] == ULLONG_MAX) continue;
+    bf16 value;
+    SIMPO_CUDA_CHECK(cudaMemcpy(&value, reinterpret_cast<const std::uint16_t*>(scans[i].p) + host[i], 2,
+                                cudaMemcpyDeviceToHost));
+    std::ostringstream os;
+    os << "non-finite input: " << scans[i].name << index_string(static_cast<std::int64_t>(host[i]), scans[i].shape)
+       << " = " << static_cast<float>(value);
+    throw InputError(os.str());
+  }
+}
+
+// SPEC's rules but the values, on a problem with the call's shape, hyperparameters and targets (copied to the host)
+// and zero x and weight of one hidden unit: what the forward outputs' host math reads of a problem.
+Problem targets_problem(const DeviceCall& c, cudaStream_t stream) {
+  const Shape& s = c.shape;
+  Problem p;
+  p.shape = {s.B, s.T, 1, s.V};
+  p.hp = c.hp;
+  p.x.assign(static_cast<std::size_t>(s.N()), bf16(0.f));
+  p.weight.assign(static_cast<std::size_t>(s.V), bf16(0.f));
+  if (c.bias) p.bias.emplace(static_cast<std::size_t>(s.V), bf16(0.f));
+  p.target.resize(static_cast<std::size_t>(s.N()));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(p.target.data(), reinterpret_cast<const void*>(c.target), s.N() * 8,
+                                   cudaMemcpyDeviceToHost, stream));
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  validate(p, {.scan_values = false});
+  return p;
+}
+
+bool aligned16(std::uintptr_t p) { return p % 16 == 0; }
+
+// x or weight as the runner needs them: [rows, padded(cols)] with zero padding, 16-byte aligned. In place when
+// already so; otherwise a padded device copy held in `copy`.
+const __nv_bfloat16* rows_for_runner(std::uintptr_t p, std::int64_t rows, std::int64_t cols, DeviceBuffer& copy,
+                                     const char* name, cudaStream_t stream, std::int64_t& extra) {
+  const std::int64_t ld = padded(cols);
+  if (ld == cols && aligned16(p)) return reinterpret_cast<const __nv_bfloat16*>(p);
+  copy = DeviceBuffer(static_cast<std::size_t>(rows * ld * 2), std::string("a padded copy of ") + name, stream);
+  extra += rows * ld * 2;
+  SIMPO_CUDA_CHECK(cudaMemsetAsync(copy.get(), 0, rows * ld * 2, stream));
+  SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(copy.get(), ld * 2, reinterpret_cast<const void*>(p), cols * 2, cols * 2, rows,
+                                     cudaMemcpyDeviceToDevice, stream));
+  return copy.as<__nv_bfloat16>();
+}
+
+// The events that order the runner's stream after the caller's and the caller's after the runner's.
+struct StreamOrder {
+  cudaEvent_t ready = nullptr, done = nullptr;
+  StreamOrder() {
+    SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  }
+  ~StreamOrder() {
+    cudaEventDestroy(ready);
+    cudaEventDestroy(done);
+  }
+};
+
+void refuse_mutants(const Options& options) {
+  if (options.mutant != Mutant::none)
+    throw InputError("mutants are implemented by the cpu backend (the cuda backend was asked for mutant " +
+                     mutant_name(options.mutant) + ")");
 }
 
 }  // namespace
 
+DeviceResult compute_on_device(const DeviceCall& c) { return compute_on_device(c, Tuning{}); }
+
+DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
+  const Shape& s = c.shape;
+  const Options& options = c.options;
+  refuse_mutants(options);
+  validate_shape(s);
+  validate_hyperparameters(c.hp);
+  if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
+  const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
+  const bool gradients = options.gradients, f32 = options.grad_weight_f32;
+  if (!c.x || !c.weight || !c.target) throw InputError("compute_on_device: x, weight and target must be device pointers");
+  if (gradients && (!c.grad_x || !c.grad_weight || (c.bias && !c.grad_bias)))
+    throw InputError("compute_on_device: gradients asked for, but no output buffer for one of them");
+  for (std::uintptr_t p : {c.grad_x, c.grad_weight, c.grad_bias})
+    if (!aligned16(p)) throw InputError("compute_on_device: output buffers must be 16-byte aligned");
+
+  SIMPO_CUDA_CHECK(cudaSetDevice(c.device));
+  FusedRunner& runner = runner_for(c.device);
+  const cudaStream_t stream = runner.stream();
+  const auto caller = reinterpret_cast<cudaStream_t>(c.stream);
+  // Every buffer below is stream-ordered on the runner's stream (device_buffer.h); without keep_workspace the
+  // runner's scratch goes back to the pool when this call ends, however it ends.
+  struct ReleaseWorkspace {
+    FusedRunner& runner;
+    bool keep;
+    ~ReleaseWorkspace() {
+      if (!keep) runner.release_workspace();
+    }
+  } release_workspace{runner, c.keep_workspace};
+
+  // Everything below reads the inputs only after the caller's stream has produced them.
+  const StreamOrder order;
+  SIMPO_CUDA_CHECK(cudaEventRecord(order.ready, caller));
+  SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream, order.ready, 0));
+  const Problem targets = targets_problem(c, stream);
+  if (options.validate) scan_values(c, stream);
+
+  DeviceResult result;
+  DeviceBuffer x_copy, weight_copy, weight_acc, bias_acc;
+  DeviceProblem dp;
+  dp.shape = s;
+  dp.hp = c.hp;
+  dp.ld_h = ld_h;
+  dp.x = rows_for_runner(c.x, N, H, x_copy, "x", stream, result.extra_device_bytes);
+  dp.weight = rows_for_runner(c.weight, V, H, weight_copy, "weight", stream, result.extra_device_bytes);
+  dp.bias = reinterpret_cast<const __nv_bfloat16*>(c.bias);
+  dp.target = reinterpret_cast<const std::int64_t*>(c.target);
+  dp.targets = read_targets(targets);
+
+  // grad_weight: an F32 output is its own fp32 [V, padded(H)] accumulator (a padded one when H % 8 != 0); a bf16
+  // output is all the runner needs (the hi/lo pair over it, or an fp32 accumulator of its own: the plan says which).
+  // grad_bias accumulates in fp32, rounded into a bf16 output.
+  DeviceGradients g;
+  if (gradients) {
+    g.grad_x = reinterpret_cast<__nv_bfloat16*>(c.grad_x);
+    if (f32 && ld_h == H) {
+      g.grad_weight = reinterpret_cast<float*>(c.grad_weight);
+    } else if (f32) {
+      weight_acc = DeviceBuffer(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator", stream);
+      result.extra_device_bytes += V * ld_h * 4;
+      g.grad_weight = weight_acc.as<float>();
+    } else {
+      g.grad_weight_bf16 = reinterpret_cast<__nv_bfloat16*>(c.grad_weight);
+    }
+    if (c.bias && f32) {
+      g.grad_bias = reinterpret_cast<float*>(c.grad_bias);
+    } else if (c.bias) {
+      bias_acc = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator", stream);
+      result.extra_device_bytes += V * 4;
+      g.grad_bias = bias_acc.as<float>();
+      g.grad_bias_bf16 = reinterpret_cast<__nv_bfloat16*>(c.grad_bias);
+    }
+  }
+  const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning);
+  if (gradients && f32 && ld_h != H)
+    SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4, H * 4,
+                                       V, cudaMemcpyDeviceToDevice, stream));
+  result.forward = forward_outputs(targets, dp.targets, stats);
+  result.workspace_bytes = runner.last_report().workspace_bytes;
+  result.extra_device_bytes += runner.last_report().accumulator_bytes;
+  result.plan = runner.last_report().to_string();
+
+  // The caller's later work waits for the outputs; the temporaries are freed only after the runner's stream is
+  // done with them.
+  SIMPO_CUDA_CHECK(cudaEventRecord(order.done, stream));
+  SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
+  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return result;
+}
+
 DeviceInputs upload_inputs(const Problem& problem, cudaStream_t stream) {
   const Shape& s = problem.shape;
   const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
+  auto upload_rows = [&](const std::vector<bf16>& host, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                         const std::string& name) {
+    DeviceBuffer device(static_cast<std::size_t>(rows * ld * 2), name, stream);
+    if (ld != cols) SIMPO_CUDA_CHECK(cudaMemsetAsync(device.get(), 0, rows * ld * 2, stream));
+    SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(device.get(), ld * 2, host.data(), cols * 2, cols * 2, rows,
+                                       cudaMemcpyHostToDevice, stream));
+    return device;
+  };
   DeviceInputs in;
-  in.x = upload_rows(problem.x, N, H, ld_h, "x", stream);
-  in.weight = upload_rows(problem.weight, V, H, ld_h, "weight", stream);
-  if (problem.has_bias()) in.bias = upload_rows(*problem.bias, 1, V, V, "bias", stream);
+  in.x = upload_rows(problem.x, N, H, ld_h, "x");
+  in.weight = upload_rows(problem.weight, V, H, ld_h, "weight");
+  if (problem.has_bias()) in.bias = upload_rows(*problem.bias, 1, V, V, "bias");
   in.target = DeviceBuffer(static_cast<std::size_t>(N * 8), "target", stream);
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(in.target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice, stream));
   DeviceProblem& d = in.problem;
@@ -75,94 +260,72 @@ DeviceInputs upload_inputs(const Problem& problem, cudaStream_t stream) {
   return in;
 }
 
-Tuning tuning_for(std::int64_t H, const Options& options) {
-  Tuning tuning;
-  if (options.logits_k_slice <= 0) return tuning;  // one cuBLAS GEMM
-  if (promoted_logits_available()) {
-    tuning.logits = Tuning::Logits::promoted;
-    tuning.promotion_k = std::max(promoted_k_granule, options.logits_k_slice / promoted_k_granule * promoted_k_granule);
-    tuning.forward_chunk_rows = 2048;
-    // Up to 4096 rows while the chunk's x stays within 32 MiB (H = 4096: 4096 rows), so it stays in L2 while W
-    // streams past it.
-    const std::int64_t x_rows_in_32_mib = (std::int64_t{32} << 20) / (2 * std::max<std::int64_t>(H, 1));
-    tuning.forward_stats_chunk_rows = std::clamp<std::int64_t>(x_rows_in_32_mib / 128 * 128, 128, 4096);
-    // With logit distances (off by default), the full step's chunks by the same rule: 4096 rows of distances are
-    // the bytes of 2048 rows of fp32 logits, which keeps the default's memory at B = 16 within issue 8's 2.2 GiB.
-    tuning.distance_chunk_rows = tuning.forward_stats_chunk_rows;
-    tuning.logit_distances = options.logit_distances;
-    return tuning;
-  }
-  tuning.logits_k_splits = static_cast<int>(std::max<std::int64_t>(1, (H + options.logits_k_slice - 1) / options.logits_k_slice));
-  return tuning;
-}
+TensorMap compute(const Problem& problem, const Options& options) { return compute(problem, options, Tuning{}); }
 
-TensorMap compute(const Problem& problem, const Options& options) {
-  return compute(problem, options, tuning_for(problem.shape.H, options));
-}
-
+// The host problem's tensors to dense device buffers, compute_on_device on them (which validates the targets and
+// scans the values there), the outputs back. Only the sizes are checked here: the copies read the host vectors.
 TensorMap compute(const Problem& problem, const Options& options, const Tuning& tuning) {
-  if (options.mutant != Mutant::none)
-    throw InputError("mutants are implemented by the cpu backend (the cuda backend was asked for mutant " +
-                     mutant_name(options.mutant) + ")");
-  validate(problem, {.scan_values = options.validate});
-  if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
-
   const Shape& s = problem.shape;
-  const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
-  FusedRunner& runner = thread_runner();
-  const cudaStream_t stream = runner.stream();
-  // Every buffer below is stream-ordered on the runner's stream (device_buffer.h); the runner's workspace goes
-  // back to the pool when this call ends, however it ends.
-  struct ReleaseWorkspace {
-    FusedRunner& runner;
-    ~ReleaseWorkspace() { runner.release_workspace(); }
-  } release_workspace{runner};
+  refuse_mutants(options);
+  validate_shape(s);
+  if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
+  const std::int64_t N = s.N(), V = s.V, H = s.H;
+  auto expect = [](const char* name, std::size_t have, std::int64_t want) {
+    if (static_cast<std::int64_t>(have) != want)
+      throw InputError(std::string("shapes disagree: ") + name + " holds " + std::to_string(have) + " values, not " +
+                       std::to_string(want));
+  };
+  expect("x", problem.x.size(), N * H);
+  expect("weight", problem.weight.size(), V * H);
+  expect("target", problem.target.size(), N);
+  if (problem.has_bias()) expect("bias", problem.bias->size(), V);
 
-  const DeviceInputs inputs = upload_inputs(problem, stream);
-  const DeviceProblem& device = inputs.problem;
-
-  if (!options.gradients) {
-    const RowStats stats = runner.run(device, nullptr, options, tuning);
-    return forward_outputs(problem, device.targets, stats);
-  }
-
-  // Gradients. grad_weight: an F32 output is its own fp32 accumulator; a bf16 one is all the runner needs (it
-  // accumulates in the hi/lo pair over it, or in an fp32 accumulator of its own where the pair cannot run:
-  // device_fused.h), so no fp32 [V, H] buffer is made here for it. grad_bias: fp32, rounded into bf16 unless F32.
+  int device = 0;
+  SIMPO_CUDA_CHECK(cudaGetDevice(&device));
+  const cudaStream_t stream = runner_for(device).stream();
+  auto upload = [&](const void* host, std::size_t bytes, const char* name) {
+    DeviceBuffer buffer(bytes, name, stream);
+    SIMPO_CUDA_CHECK(cudaMemcpyAsync(buffer.get(), host, bytes, cudaMemcpyHostToDevice, stream));
+    return buffer;
+  };
+  const DeviceBuffer x = upload(problem.x.data(), N * H * 2, "x"), weight = upload(problem.weight.data(), V * H * 2, "weight"),
+                     target = upload(problem.target.data(), N * 8, "target"),
+                     bias = problem.has_bias() ? upload(problem.bias->data(), V * 2, "bias") : DeviceBuffer();
   const bool f32 = options.grad_weight_f32;
-  DeviceBuffer grad_x(static_cast<std::size_t>(N * H * 2), "grad_x", stream);
-  DeviceBuffer grad_weight, grad_bias, grad_weight_bf16, grad_bias_bf16;
-  if (f32) grad_weight = DeviceBuffer(static_cast<std::size_t>(V * ld_h * 4), "grad_weight (fp32)", stream);
-  if (problem.has_bias())
-    grad_bias = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator", stream);
-  if (!f32) {
-    grad_weight_bf16 = DeviceBuffer(static_cast<std::size_t>(V * H * 2), "grad_weight", stream);
-    if (problem.has_bias()) grad_bias_bf16 = DeviceBuffer(static_cast<std::size_t>(V * 2), "grad_bias", stream);
+  const DType weight_dtype = f32 ? DType::F32 : DType::BF16;
+  const std::int64_t weight_element = f32 ? 4 : 2;
+  DeviceBuffer grad_x, grad_weight, grad_bias;
+  if (options.gradients) {
+    grad_x = DeviceBuffer(static_cast<std::size_t>(N * H * 2), "grad_x", stream);
+    grad_weight = DeviceBuffer(static_cast<std::size_t>(V * H * weight_element), "grad_weight", stream);
+    if (problem.has_bias()) grad_bias = DeviceBuffer(static_cast<std::size_t>(V * weight_element), "grad_bias", stream);
   }
-  DeviceGradients gradients;
-  gradients.grad_x = grad_x.as<__nv_bfloat16>();
-  gradients.grad_weight = grad_weight.as<float>();
-  gradients.grad_bias = grad_bias.as<float>();
-  gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();
-  gradients.grad_bias_bf16 = grad_bias_bf16.as<__nv_bfloat16>();
 
-  const RowStats stats = runner.run(device, &gradients, options, tuning);
-  TensorMap out = forward_outputs(problem, device.targets, stats);
+  DeviceCall call;
+  call.shape = s;
+  call.hp = problem.hp;
+  call.device = device;
+  call.stream = reinterpret_cast<std::uintptr_t>(stream);
+  call.x = reinterpret_cast<std::uintptr_t>(x.get());
+  call.weight = reinterpret_cast<std::uintptr_t>(weight.get());
+  call.bias = reinterpret_cast<std::uintptr_t>(bias.get());
+  call.target = reinterpret_cast<std::uintptr_t>(target.get());
+  call.grad_x = reinterpret_cast<std::uintptr_t>(grad_x.get());
+  call.grad_weight = reinterpret_cast<std::uintptr_t>(grad_weight.get());
+  call.grad_bias = reinterpret_cast<std::uintptr_t>(grad_bias.get());
+  call.options = options;
+  DeviceResult result = compute_on_device(call, tuning);
 
-  out[output_name::grad_x] = download(grad_x.get(), DType::BF16, output_shape(s, output_name::grad_x), stream);
-  const auto weight_shape = output_shape(s, output_name::grad_weight);
-  if (f32) {
-    Tensor t(DType::F32, weight_shape);  // the accumulator itself, without its padding columns
-    SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(t.bytes.data(), H * 4, grad_weight.get(), ld_h * 4, H * 4, V,
-                                       cudaMemcpyDeviceToHost, stream));
-    out[output_name::grad_weight] = std::move(t);
-  } else {
-    out[output_name::grad_weight] = download(grad_weight_bf16.get(), DType::BF16, weight_shape, stream);
-  }
-  if (problem.has_bias()) {
-    const auto bias_shape = output_shape(s, output_name::grad_bias);
-    out[output_name::grad_bias] = f32 ? download(grad_bias.get(), DType::F32, bias_shape, stream)
-                                      : download(grad_bias_bf16.get(), DType::BF16, bias_shape, stream);
+  TensorMap out = std::move(result.forward);
+  if (options.gradients) {
+    auto download = [&](const DeviceBuffer& device_buffer, DType dtype, const std::string& name) {
+      Tensor t(dtype, output_shape(s, name));
+      SIMPO_CUDA_CHECK(cudaMemcpyAsync(t.bytes.data(), device_buffer.get(), t.bytes.size(), cudaMemcpyDeviceToHost, stream));
+      out[name] = std::move(t);
+    };
+    download(grad_x, DType::BF16, output_name::grad_x);
+    download(grad_weight, weight_dtype, output_name::grad_weight);
+    if (problem.has_bias()) download(grad_bias, weight_dtype, output_name::grad_bias);
   }
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;

@@ -1,6 +1,7 @@
-// The CUDA backend of the fused linear + SimPO loss: cuBLASLt GEMMs (bf16 operands, fp32 accumulation and
-// output) and our row kernels, following the chunk plan of fused/schedule.h. fused::compute dispatches here;
-// the per-token and per-pair math is fused/simpo_math.h, shared with the cpu backend.
+// The CUDA backend of the fused linear + SimPO loss: cuBLASLt and CUTLASS GEMMs (bf16 operands, fp32
+// accumulation) and our row kernels, running the plan of fused/cuda/plan.h. fused::compute and
+// fused::compute_on_device dispatch here; the per-token and per-pair math is fused/simpo_math.h, shared with the
+// cpu backend.
 #pragma once
 
 #include "fused/fused.h"
@@ -8,13 +9,23 @@
 
 namespace simpo::fused::cuda {
 
+struct Tuning;  // plan.h
+
 // True when the CUDA runtime sees at least one device. Never throws (a missing driver reads as false).
 bool device_present();
 
-// SPEC's outputs for `problem` computed on the current CUDA device: uploads the inputs, runs the fused
-// algorithm, downloads the outputs. Throws InputError for bad input (simpo::validate), a mutant (those live in
-// the cpu backend), a workspace budget too small for one row, or device memory exhausted (naming the bytes);
-// CudaError for any other CUDA, cuBLAS or cuBLASLt failure, with the library's message.
+// The one entry to the device step: validation (SPEC's rules on the targets and hyperparameters, the NaN/Inf scan
+// on the device), the buffers the runner needs beyond the caller's (padded copies where H % 8 != 0 or a pointer is
+// not 16-byte aligned, fp32 accumulators), the runner (one per thread and device, kept between calls), and stream
+// order: the runner's stream waits for the caller's before reading, and the caller's waits for the runner's before
+// anything reads the outputs, so the call is ordered as if it ran on the caller's stream. Throws InputError for bad
+// input, a budget too small for one row, or device memory exhausted (naming the bytes); CudaError for any other
+// CUDA, cuBLAS or cuBLASLt failure, with the library's message.
+DeviceResult compute_on_device(const DeviceCall&);
+DeviceResult compute_on_device(const DeviceCall&, const Tuning&);
+
+// SPEC's outputs for a host problem: its inputs copied to the device, compute_on_device, the outputs copied back.
 TensorMap compute(const Problem& problem, const Options& options);
+TensorMap compute(const Problem& problem, const Options& options, const Tuning&);
 
 }  // namespace simpo::fused::cuda

@@ -57,9 +57,9 @@ Gemms::~Gemms() {
 
 void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
                  const __nv_bfloat16* A, std::int64_t lda, const __nv_bfloat16* B, std::int64_t ldb, float beta,
-                 float* C, std::int64_t ldc, GemmPlacement where) {
+                 float* C, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
-  cudaStream_t stream = where.stream != nullptr ? where.stream : stream_;
+  cudaStream_t stream = stream_;
   const float alpha = 1.0f;
   const cublasOperation_t op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -71,17 +71,12 @@ void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
   SIMPO_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.operation, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   SIMPO_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   SIMPO_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  if (where.sm_count > 0) {
-    const std::int32_t sms = where.sm_count;
-    SIMPO_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
-  }
   SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, a_rows, a_cols, lda));
   SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, b_rows, b_cols, ldb));
   SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_32F, m, n, ldc));
 
   const int align_a = alignment_of(A), align_b = alignment_of(B), align_c = alignment_of(C);
-  const Key key{transpose_a, transpose_b, m, n, k, lda, ldb, ldc, align_a, align_b, align_c, where.sm_count};
+  const Key key{transpose_a, transpose_b, m, n, k, lda, ldb, ldc, align_a, align_b, align_c};
   auto found = choices_.find(key);
   if (found == choices_.end()) {
     Choice choice;
@@ -116,8 +111,8 @@ void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
     return;
   }
   ++fallback_calls_;
-  // The cuBLAS handle serves only this fallback: each call binds it to its placement's stream and then to the
-  // scratch (cublasSetStream puts the handle back on cuBLAS's own workspace pool, outside the budget).
+  // The cuBLAS handle serves only this fallback: each call binds it to the stream and then to the scratch
+  // (cublasSetStream puts the handle back on cuBLAS's own workspace pool, outside the budget).
   SIMPO_CUBLAS_CHECK(cublasSetStream(blas_, stream));
   SIMPO_CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
   SIMPO_CUBLAS_CHECK(cublasGemmEx(blas_, op_a, op_b, as_int(m, "m"), as_int(n, "n"), as_int(k, "k"), &alpha, A,
@@ -140,9 +135,8 @@ void Gemms::logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const _
 
 // Row-major grad_x[rows, ld_h] = dz W is column-major grad_x^T[ld_h, rows] = W^T(col-major [ld_h, V]) dz^T.
 void Gemms::grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
-                   std::int64_t ld_dz, const __nv_bfloat16* weight, float* grad_x, bool accumulate,
-                   GemmPlacement where) {
-  gemm(false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, accumulate ? 1.0f : 0.0f, grad_x, ld_h, where);
+                   std::int64_t ld_dz, const __nv_bfloat16* weight, float* grad_x, bool accumulate) {
+  gemm(false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, accumulate ? 1.0f : 0.0f, grad_x, ld_h);
 }
 
 // Row-major grad_W[V, ld_h] += dz^T x is column-major grad_W^T[ld_h, V] += x^T(col-major [ld_h, rows]) dz

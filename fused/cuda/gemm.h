@@ -19,13 +19,6 @@
 
 namespace simpo::fused::cuda {
 
-// Where a GEMM runs: `stream` (nullptr: the Gemms' own) and, for one that runs beside another kernel, the SMs
-// cuBLASLt should plan for (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET; 0: the whole device).
-struct GemmPlacement {
-  cudaStream_t stream = nullptr;
-  int sm_count = 0;
-};
-
 class Gemms {
  public:
   // `workspace` (device, `workspace_bytes`) is cuBLASLt's and cuBLAS's scratch: both stay inside the budget.
@@ -46,10 +39,9 @@ class Gemms {
   void logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
               const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, int k_splits = 1);
   // grad_x[rows, ld_h] (+)= dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero);
-  // accumulate: beta = 1 (the low-memory schedule sums it over slices of the vocabulary). `where`: beside the
-  // weight GEMM on another stream (Tuning::weight_gemm_sms).
+  // accumulate: beta = 1 (the low-memory schedule sums it over slices of the vocabulary).
   void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz, std::int64_t ld_dz,
-              const __nv_bfloat16* weight, float* grad_x, bool accumulate = false, GemmPlacement where = {});
+              const __nv_bfloat16* weight, float* grad_x, bool accumulate = false);
   // grad_weight[V, ld_h] (+)= dz[rows, V]^T x[rows, ld_h]: the fp32 accumulator across chunks (beta = 1), or
   // its first term (beta = 0, `overwrite`), which saves clearing V*H*4 bytes beforehand.
   void accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
@@ -62,17 +54,17 @@ class Gemms {
   // Column-major C[m, n] (ldc) = op(A) op(B) + beta C.
   void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
             const __nv_bfloat16* A, std::int64_t lda, const __nv_bfloat16* B, std::int64_t ldb, float beta, float* C,
-            std::int64_t ldc, GemmPlacement where = {});
+            std::int64_t ldc);
 
   cudaStream_t stream_;
   void* workspace_;
   std::size_t workspace_bytes_;
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
-  // Heuristic answers per (transa, transb, m, n, k, lda, ldb, ldc, alignments, SM count target): asking costs
+  // Heuristic answers per (transa, transb, m, n, k, lda, ldb, ldc, alignments): asking costs
   // tens of microseconds, and a run repeats the same few shapes chunk after chunk.
   using Key = std::tuple<bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, int, int, int, int>;
+                         std::int64_t, int, int, int>;
   struct Choice {
     bool found = false;
     cublasLtMatmulAlgo_t algo{};

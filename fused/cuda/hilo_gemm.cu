@@ -109,12 +109,12 @@ struct HiLoGemm {
   static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t M, std::int64_t N,
                                             const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x,
                                             std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo,
-                                            std::int64_t ld_w, bool overwrite, int sm_count) {
+                                            std::int64_t ld_w, bool overwrite) {
     typename Mainloop::StrideA stride_a{Int<1>{}, ld_dz, 0};
     typename Mainloop::StrideB stride_b{Int<1>{}, ld_x, 0};
     StrideW stride_w{ld_w, Int<1>{}, 0};
     static const int device_sms = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
-    cutlass::KernelHardwareInfo hw{0, sm_count > 0 ? sm_count : device_sms};
+    cutlass::KernelHardwareInfo hw{0, device_sms};
     cudaGetDevice(&hw.device_id);
     auto* hi_e = reinterpret_cast<Element*>(hi);
     auto* lo_e = reinterpret_cast<Element*>(lo);
@@ -144,8 +144,8 @@ struct HiLoGemm {
 
   static void run(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz, std::int64_t ld_dz,
                   const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
-                  bool overwrite, cudaStream_t stream, void* workspace, std::size_t workspace_bytes, int sm_count) {
-    const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, sm_count);
+                  bool overwrite, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
+    const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite);
     Gemm gemm;
     if (Gemm::get_workspace_size(args) > workspace_bytes)
       throw CudaError("hi/lo weight GEMM: needs " + std::to_string(Gemm::get_workspace_size(args)) +
@@ -167,74 +167,33 @@ struct HiLoGemm {
 using Cooperative128x256 =
     HiLoGemm<cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
              cutlass::epilogue::TmaWarpSpecializedCooperative>;
-using Pingpong64x256 =
-    HiLoGemm<cute::Shape<_64, _256, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-             cutlass::epilogue::TmaWarpSpecialized>;
-// One warpgroup's epilogue overlaps the other's mainloop, at a tile that keeps a 128-row A tile (five stages).
-using Pingpong128x128 =
-    HiLoGemm<cute::Shape<_128, _128, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-             cutlass::epilogue::TmaWarpSpecialized>;
-// Measured on the H200 (BENCHMARKS.md, fourth round): the ping-pong tiles level with or behind the default; a
-// 128x16 epilogue tile with four mainloop stages, with or without a 2x1 cluster, 3-4 ms behind at B = 16 (commit
-// 125f843 has them).
-constexpr const char* kNames[] = {"128x256x64 cooperative", "64x256x64 ping-pong", "128x128x64 ping-pong"};
-
-template <class F>
-decltype(auto) dispatch(int variant, F&& f) {
-  switch (variant) {
-    case 0: return f(Cooperative128x256{});
-    case 1: return f(Pingpong64x256{});
-    case 2: return f(Pingpong128x128{});
-  }
-  throw CudaError("hi/lo weight GEMM: no variant " + std::to_string(variant));
-}
+// The ping-pong tiles (64x256, 128x128) measured level with or behind it, and 128x16 epilogue tiles with four
+// mainloop stages, with or without a 2x1 cluster, slower (fused/cuda/BENCHMARKS.md).
 
 }  // namespace
 
 // The same library, built for sm_90a with CUTLASS or not at all: what holds for the promoted GEMM holds here.
 bool hilo_gemm_available() { return promoted_logits_available(); }
 
-int hilo_gemm_variant_count() { return static_cast<int>(sizeof(kNames) / sizeof(kNames[0])); }
-const char* hilo_gemm_variant_name(int variant) {
-  if (variant < 0 || variant >= hilo_gemm_variant_count()) return "none";
-  // The name with the shared memory the kernel got: mainloop stages, epilogue load stages.
-  static const std::vector<std::string> names = [] {
-    std::vector<std::string> n;
-    for (int v = 0; v < hilo_gemm_variant_count(); ++v)
-      n.push_back(dispatch(v, [&](auto gemm) {
-        using G = decltype(gemm);
-        return std::string(kNames[v]) + " (" + std::to_string(G::Mainloop::DispatchPolicy::Stages) +
-               " mainloop stages, " + std::to_string(G::Descriptor::StagesC) + " epilogue load stages)";
-      }));
-    return n;
-  }();
-  return names[variant].c_str();
-}
-
 void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
                                  std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
                                  __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t stream,
-                                 void* workspace, std::size_t workspace_bytes, int variant, int sm_count) {
+                                 void* workspace, std::size_t workspace_bytes) {
   if (rows == 0 || M == 0 || N == 0) return;
-  if (sm_count < 0) throw CudaError("hi/lo weight GEMM: sm_count " + std::to_string(sm_count) + " is negative");
   if (M % 8 != 0 || N % 8 != 0 || ld_dz % 8 != 0 || ld_x % 8 != 0 || ld_w % 8 != 0)
     throw CudaError("hi/lo weight GEMM: M=" + std::to_string(M) + " N=" + std::to_string(N) + " ld_dz=" +
                     std::to_string(ld_dz) + " ld_x=" + std::to_string(ld_x) + " ld_w=" + std::to_string(ld_w) +
                     " must all be multiples of 8 (16-byte TMA rows)");
-  dispatch(variant, [&](auto gemm) {
-    decltype(gemm)::run(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, stream, workspace,
-                        workspace_bytes, sm_count);
-  });
+  Cooperative128x256::run(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, stream, workspace,
+                          workspace_bytes);
 }
 
 #else  // built without CUTLASS or without an sm_90a target: the runner keeps the fp32 accumulator
 
 bool hilo_gemm_available() { return false; }
-int hilo_gemm_variant_count() { return 0; }
-const char* hilo_gemm_variant_name(int) { return "none"; }
 void hilo_accumulate_grad_weight(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, std::int64_t,
                                  const __nv_bfloat16*, std::int64_t, __nv_bfloat16*, __nv_bfloat16*, std::int64_t, bool,
-                                 cudaStream_t, void*, std::size_t, int, int) {
+                                 cudaStream_t, void*, std::size_t) {
   throw CudaError("hi/lo weight GEMM: not built (needs CUTLASS and an sm_90a target)");
 }
 

@@ -24,20 +24,15 @@ namespace simpo::fused::cuda {
 // Built with the sm_90a kernels and the current device runs them (compute capability 9.0).
 bool hilo_gemm_available();
 
-// Compiled variants (tile shape, kernel schedule), for the benchmark; variant 0 is the default.
-int hilo_gemm_variant_count();
-const char* hilo_gemm_variant_name(int variant);
 
 // hi, lo [M, ld_w] (bf16, row-major, first N columns) += dz[rows, M]^T x[rows, N]; `overwrite`: the first term
 // (hi and lo are written, never read: no clearing beforehand). dz is [rows, ld_dz] (row-major; the fused runner's
 // in-place dz has ld_dz = 2 * ld_logits), x is [rows, ld_x]. Requirements (TMA): M, N, ld_dz, ld_x and ld_w
 // multiples of 8, every pointer 16-byte aligned. `workspace` is the kernel's scratch (the persistent scheduler
-// takes none: a null one of 0 bytes is fine). `sm_count` > 0 launches the persistent grid on that many SMs
-// (another kernel runs beside it on the rest), 0 on all of them. Throws CudaError when it cannot run the shape or
-// was not built.
+// takes none: a null one of 0 bytes is fine). Throws CudaError when it cannot run the shape or was not built.
 void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
                                  std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
                                  __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t stream,
-                                 void* workspace, std::size_t workspace_bytes, int variant = 0, int sm_count = 0);
+                                 void* workspace, std::size_t workspace_bytes);
 
 }  // namespace simpo::fused::cuda

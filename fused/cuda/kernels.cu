@@ -9,7 +9,7 @@
 //   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t);
 //                                             in place over the row's fp32 logits (a barrier per 2048 columns)
 //   dz_from_distances_kernel  2 (backward)    the same from the 16-bit logit distances (promoted_stats.h), in place
-//                                             over them (Tuning::logit_distances)
+//                                             over them (Options::logit_distances)
 //   row_coefficients_kernel   2               per row: k and k (1 - p_t) alone, where dz comes from the logits
 //                                             GEMM's epilogue (promoted_dz.h; the low-memory schedule)
 //   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
@@ -57,20 +57,41 @@ __global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, flo
 }
 
 // 32 rows per block, 8 warps striding over the tiles: each warp reads 32 consecutive rows of one tile
-// (coalesced in the [tiles, ld] layout), then warp 0 merges the 8 partial states per row.
-constexpr int kMergeRows = 32;
+// (coalesced in the [tiles, ld] layout), then warp 0 merges the 8 partial states per row. Each warp keeps
+// kMergeChains independent states, so that many tiles' loads are in flight at once: one state would wait for each
+// load and each merge's exp in turn (a few hundred tiles per row at V = 128k, few rows per launch).
+constexpr int kMergeRows = 32, kMergeChains = 4;
 __global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStatsRows a, float* row_max, float* lse,
                                                                       float* z_target, double* rowsum) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t local = std::int64_t(blockIdx.x) * kMergeRows + lane;
-  m::LogSumExp<float> state = m::lse_empty<float>();
-  double sum = 0;
-  if (local < a.rows)
-    for (std::int64_t t = warp; t < a.tiles; t += kWarps) {
-      const std::int64_t at = t * a.ld + local;
-      state = m::lse_merge(state, m::LogSumExp<float>{a.tile_max[at], a.tile_sum_exp[at]});
-      sum += a.tile_sum[at];
+  m::LogSumExp<float> chains[kMergeChains];
+  double sums[kMergeChains] = {};
+  for (auto& chain : chains) chain = m::lse_empty<float>();
+  if (local < a.rows) {
+    std::int64_t t = warp;
+    for (; t + (kMergeChains - 1) * kWarps < a.tiles; t += kMergeChains * kWarps)
+#pragma unroll
+      for (int c = 0; c < kMergeChains; ++c) {
+        const std::int64_t at = (t + c * kWarps) * a.ld + local;
+        chains[c] = m::lse_merge(chains[c], m::LogSumExp<float>{a.tile_max[at], a.tile_sum_exp[at]});
+        sums[c] += a.tile_sum[at];
+      }
+#pragma unroll
+    for (int c = 0; c < kMergeChains; ++c) {  // the last tiles, fewer than a round (constant indices: registers)
+      const std::int64_t tile = t + c * kWarps, at = tile * a.ld + local;
+      if (tile < a.tiles) {
+        chains[c] = m::lse_merge(chains[c], m::LogSumExp<float>{a.tile_max[at], a.tile_sum_exp[at]});
+        sums[c] += a.tile_sum[at];
+      }
     }
+  }
+  m::LogSumExp<float> state = chains[0];
+  double sum = sums[0];
+  for (int c = 1; c < kMergeChains; ++c) {
+    state = m::lse_merge(state, chains[c]);
+    sum += sums[c];
+  }
   __shared__ float shared_max[kWarps][kMergeRows], shared_sum[kWarps][kMergeRows];
   __shared__ double shared_total[kWarps][kMergeRows];
   shared_max[warp][lane] = state.max;

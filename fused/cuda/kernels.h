@@ -85,7 +85,7 @@ struct LogitDistanceRows {
   std::int64_t V;
   const float* tile_max;           // [tiles, tile_ld]: the part's row i at column i (the epilogue's partials)
   std::int64_t tile_ld;
-  std::int64_t tile_columns;       // the statistics GEMM's tile width (promoted_stats_tile_columns)
+  std::int64_t tile_columns;       // the statistics GEMM's tile width (statistics_tile_columns)
   const std::int64_t* target;      // [N] (global rows)
   std::int64_t ignore_index;
 };

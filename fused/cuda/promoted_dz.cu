@@ -84,9 +84,9 @@ void promoted_logits_dz(std::int64_t rows, std::int64_t columns, std::int64_t ld
                         std::int64_t promotion_k, const DzTile& tile, cudaStream_t stream, void* workspace,
                         std::size_t workspace_bytes) {
   if (rows == 0 || columns == 0) return;
-  if (promotion_k < 0 || promotion_k % promoted_k_granule != 0)
+  if (promotion_k < 0 || promotion_k % promotion_k_granule != 0)
     throw CudaError("promoted dz GEMM: promotion_k " + std::to_string(promotion_k) + " is not a multiple of " +
-                    std::to_string(promoted_k_granule));
+                    std::to_string(promotion_k_granule));
   if (columns % 8 != 0 || ld_dz % 8 != 0 || ld_dz < columns)
     throw CudaError("promoted dz GEMM: columns " + std::to_string(columns) + " and ld_dz " + std::to_string(ld_dz) +
                     " must be multiples of 8, ld_dz >= columns");

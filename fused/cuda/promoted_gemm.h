@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "fused/cuda/plan.h"
+
 #include <cstddef>
 #include <cstdint>
 
@@ -21,30 +23,12 @@ namespace simpo::fused::cuda {
 // Built with the sm_90a kernels, and the current device runs them (compute capability 9.0).
 bool promoted_logits_available();
 
-// Compiled variants (tile shapes, clusters), for the benchmark; variant 0 is the default.
-int promoted_variant_count();
-const char* promoted_variant_name(int variant);
-
-// The multiple `promotion_k` must be of (the mainloop's k tile); promotion_k = 0 means "never promote" (one
-// tensor-core accumulation over all of k, as cuBLAS does; for measuring what promotion costs).
-inline constexpr std::int64_t promoted_k_granule = 64;
-
-// The tile scheduler's run-time knobs (CUTLASS's persistent scheduler): consecutive tiles grouped `swizzle`
-// (1, 2, 4, 8) at a time, and the order tiles are visited in.
-struct PromotedSchedule {
-  int variant = 0;
-  int swizzle = 1;
-  enum class Raster { heuristic, along_m, along_n } raster = Raster::heuristic;
-};
-
 // Enqueues the GEMM on `stream`. Requirements (the fused runner's layout meets them): ld_h and ld_logits
-// multiples of 8, x, weight and logits 16-byte aligned, promotion_k a multiple of promoted_k_granule.
-// `workspace` (workspace_bytes) is the kernel's scratch (promoted_workspace_bytes). Throws CudaError when the
+// multiples of 8, x, weight and logits 16-byte aligned, promotion_k a multiple of promotion_k_granule.
+// `workspace` (workspace_bytes) is the kernel's scratch. Throws CudaError when the
 // kernel cannot run the shape or was not built.
 void promoted_logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
                      const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, std::int64_t promotion_k,
-                     cudaStream_t stream, void* workspace, std::size_t workspace_bytes,
-                     const PromotedSchedule& = {});
-std::size_t promoted_workspace_bytes(std::int64_t rows, std::int64_t V, std::int64_t ld_h, int variant = 0);
+                     cudaStream_t stream, void* workspace, std::size_t workspace_bytes);
 
 }  // namespace simpo::fused::cuda

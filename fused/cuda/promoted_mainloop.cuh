@@ -1,7 +1,6 @@
 // The promoting mainloops of the logits GEMMs (promoted_gemm.cu, promoted_stats.cu): CUTLASS's FP8 collective
 // (MainloopSm90TmaGmmaWarpSpecializedFP8, instantiated with bf16 operands) with its mma() replaced: by one whose two
-// consumer warpgroups promote out of step (the default), or by the split-N one of the 128x256 tile. Included only
-// where CUTLASS is (SIMPO_HAVE_CUTLASS_SM90).
+// consumer warpgroups promote out of step. Included only where CUTLASS is (SIMPO_HAVE_CUTLASS_SM90).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -94,61 +93,6 @@ struct StaggeredMainloop : Base {
       warpgroup_fence_operand(block);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(block); ++i) accum(i) += block(i);
-    }
-    warpgroup_fence_operand(accum);
-  }
-};
-
-// The 128x256 tile with promotion: a consumer warpgroup's 64x256 running sum (128 fp32 registers per thread)
-// plus a whole 64x256 block in flight would need 256 registers, more than a warpgroup gets. So each k tile
-// (64 deep) is multiplied one 64x128 half at a time into a 64-register partial sum, which is waited for and
-// added into its half of the running sum: a promotion every 64 k, with the other consumer warpgroup's wgmmas
-// filling the tensor cores while one adds. Everything but mma() (TMA loads, pipeline, smem layouts, the
-// epilogue) is CUTLASS's FP8 collective, instantiated with a 64x128 wgmma atom tiled twice along N. The
-// release protocol is the base's (K_PIPE_MMAS = 1: each stage is released one k tile late; mma_tail releases
-// the last).
-template <class Base>
-struct SplitNMainloop : Base {
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
-                          FrgTensorC& accum, int k_tile_count, int thread_idx,
-                          typename Base::TensorStorage& shared_tensors, typename Base::Params const&) {
-    using namespace cute;
-    typename Base::TiledMma tiled_mma;
-    auto fragments = consumer_fragments<Base>(shared_tensors, thread_idx);
-    auto& tCrA = get<1>(fragments);  // (MMA, 1, MMA_K, PIPE)
-    auto& tCrB = get<2>(fragments);  // (MMA, 2, MMA_K, PIPE)
-    static_assert(decltype(size<1>(tCrA))::value == 1 && decltype(size<2>(accum))::value == 2);
-    auto part = make_fragment_like(accum(_, 0, 0));  // (MMA): one half's partial sum
-    clear(accum);
-
-    auto smem_pipe_release = smem_pipe_read;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k_tile = 0; k_tile < k_tile_count; ++k_tile) {
-      auto token = pipeline.consumer_try_wait(smem_pipe_read);
-      pipeline.consumer_wait(smem_pipe_read, token);
-      const int stage = smem_pipe_read.index();
-      CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < 2; ++n) {
-        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-        warpgroup_fence_operand(part);
-        warpgroup_arrive();
-        CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < size<2>(tCrA); ++k) {
-          cute::gemm(tiled_mma, part, tCrA(_, 0, k, stage), tCrB(_, n, k, stage), part);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(part);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(part); ++i) accum(i, 0, n) += part(i);
-      }
-      if (k_tile > 0) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-      }
-      ++smem_pipe_read;
     }
     warpgroup_fence_operand(accum);
   }

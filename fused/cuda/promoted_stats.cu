@@ -3,7 +3,7 @@
 // registers (a max, then one exp per logit against it, a sum; the four lanes sharing a row merge by shuffles; one
 // lane per row writes the tile's partials) before CUTLASS's store of the fp32 logits, or no store at all (ElementD
 // = void) for the forward. The first version reduced inside an epilogue visitor node, one fragment at a time with
-// an online (branching) max: slower than storing the logits and reading them back (BENCHMARKS.md, second round).
+// an online (branching) max: slower than storing the logits and reading them back (BENCHMARKS.md, "Row statistics").
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_stats.h"
@@ -31,7 +31,7 @@ namespace m = ::simpo::fused::math;
 // Why it is written as straight-line code: the pass runs on the mainloop's warps (the cooperative kernel's
 // epilogue does not overlap its MMAs), two warps per scheduler, so its latency is what it costs. A per-logit `if`
 // (bias present, column inside N) made ptxas put every logit in its own branch with a convergence barrier, and
-// the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, eighth round). Here the
+// the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, "Row statistics"). Here the
 // bias and the edge-column mask are template parameters chosen once per tile, the rows of a thread are reduced
 // side by side, and the only branch left is around the target logit (rows whose target falls in this tile).
 //
@@ -141,27 +141,24 @@ struct StatsPass {
 };
 
 // The fp32 logits stored after the statistics (the full step), no output at all (the forward), or the logit
-// distances (the full step with Tuning::logit_distances).
+// distances (the full step with Options::logit_distances).
 using StatsGemm = RegisterEpilogueGemm<StatsPass<false>, float, 4>;
 using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass<false>, void, 4>;
 using DistancesGemm = RegisterEpilogueGemm<StatsPass<true>, std::uint16_t, 8>;
-static_assert(cute::size<1>(StatsGemm::TileShape{}) == promoted_stats_tile_columns &&
-                  promoted_stats_tile_columns == m::logit_distance_tile,
+static_assert(cute::size<1>(StatsGemm::TileShape{}) == statistics_tile_columns &&
+                  statistics_tile_columns == m::logit_distance_tile,
               "the partials' tiles, and the distances' tiles (the cpu backend's too), are the GEMM's column tiles");
 
 }  // namespace
 
 bool promoted_stats_available() { return promoted_logits_available(); }
-std::int64_t promoted_stats_tiles(std::int64_t V) {
-  return (V + promoted_stats_tile_columns - 1) / promoted_stats_tile_columns;
-}
 
 namespace {
 // What both statistics GEMMs check before they run; `what` names the GEMM in the errors.
 void check_statistics_gemm(const char* what, std::int64_t rows, std::int64_t promotion_k, const LogitTileStats& stats) {
-  if (promotion_k < 0 || promotion_k % promoted_k_granule != 0)
+  if (promotion_k < 0 || promotion_k % promotion_k_granule != 0)
     throw CudaError(std::string(what) + ": promotion_k " + std::to_string(promotion_k) + " is not a multiple of " +
-                    std::to_string(promoted_k_granule));
+                    std::to_string(promotion_k_granule));
   if (stats.ld < rows)
     throw CudaError(std::string(what) + ": ld " + std::to_string(stats.ld) + " < rows " + std::to_string(rows));
 }
@@ -200,9 +197,6 @@ void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t l
 #else  // without CUTLASS or an sm_90a target: the runner keeps the separate statistics pass
 
 bool promoted_stats_available() { return false; }
-std::int64_t promoted_stats_tiles(std::int64_t V) {
-  return (V + promoted_stats_tile_columns - 1) / promoted_stats_tile_columns;
-}
 void promoted_logits_stats(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, const __nv_bfloat16*,
                            float*, std::int64_t, std::int64_t, const LogitTileStats&, cudaStream_t, void*,
                            std::size_t) {

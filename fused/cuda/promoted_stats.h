@@ -9,6 +9,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "fused/cuda/plan.h"
+
 #include <cstddef>
 #include <cstdint>
 
@@ -33,9 +35,6 @@ struct LogitTileStats {
 
 // Built (CUTLASS, sm_90a) and the device runs it: promoted_logits_available().
 bool promoted_stats_available();
-// Column tiles of the statistics GEMM for V columns (its tile is 192 wide).
-inline constexpr std::int64_t promoted_stats_tile_columns = 192;
-std::int64_t promoted_stats_tiles(std::int64_t V);
 
 // logits[rows, ld_logits] = x weight^T as promoted_logits does (variant 0), or no logits at all when `logits`
 // is nullptr, with the statistics into `stats`. V must be a multiple of 4 (the fp32 TMA store's unit; the

@@ -162,7 +162,7 @@ struct RegisterEpilogueGemm {
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kMmaK = 16;  // bf16 wgmma's k: the promotion interval is counted in wgmmas
-  static_assert(cute::size<2>(TileShape{}) == promoted_k_granule, "promoted_k_granule is the k tile");
+  static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 
   // `what` names the GEMM in the errors.
   static void run(const char* what, std::int64_t rows, std::int64_t columns, std::int64_t ld_h,

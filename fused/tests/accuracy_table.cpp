@@ -32,9 +32,10 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--logits-k-slice", options.logits_k_slice,
                  "cuda: hidden units per logits-GEMM slice (0: one GEMM; default from fused::Options)");
-  app.add_flag("--logit-distances", options.logit_distances,
-               "dz from 16-bit logit distances (fused::Options::logit_distances)");
+  bool fp32_logits = false;
+  app.add_flag("--fp32-logits", fp32_logits, "dz from fp32 logits (fused::Options::logit_distances off)");
   CLI11_PARSE(app, argc, argv);
+  if (fp32_logits) options.logit_distances = false;
   try {
     options.backend = fused::resolve(fused::backend_from_name(backend));
   } catch (const InputError& e) {

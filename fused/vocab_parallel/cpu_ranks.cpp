@@ -98,27 +98,14 @@ class Run {
   }
 
   std::vector<RankOutputs> compute() {
-    const auto& chunks = schedule_.chunks;
-    switch (schedule_.mode) {
-      case Mode::forward_only:
-        for (const Chunk& chunk : chunks) forward_chunk(chunk);
-        break;
-      case Mode::three_pass:
-        for (const Chunk& chunk : chunks) {
-          forward_chunk(chunk);
-          row_coefficients(problem_, targets_, stats_, chunk.pair_begin, chunk.pair_end, Mutant::none, k_);
-          gradient_chunk();
-        }
-        break;
-      case Mode::two_pass:
-        for (const Chunk& chunk : chunks) forward_chunk(chunk);
-        row_coefficients(problem_, targets_, stats_, 0, shape_.P(), Mutant::none, k_);
-        for (const Chunk& chunk : chunks) {
-          logits(chunk);  // recomputed: pass 1 kept the stats, not the logits
-          gradient_chunk();
-        }
-        break;
-    }
+    walk(schedule_, shape_,
+         Stages{.forward = [this](const Chunk& c, bool) { forward_chunk(c); },
+                .pair_math =
+                    [this](std::int64_t pair_begin, std::int64_t pair_end) {
+                      row_coefficients(problem_, targets_, stats_, pair_begin, pair_end, Mutant::none, k_);
+                    },
+                .logits = [this](const Chunk& c) { logits(c); },  // recomputed: pass 1 kept the stats, not the logits
+                .backward = [this](const Chunk&) { gradient_chunk(); }});
     // Every rank derives the forward outputs from the same reduced stats; each keeps its own copy.
     const TensorMap forward = forward_outputs(problem_, targets_, stats_);
     std::vector<RankOutputs> out;

@@ -1,7 +1,7 @@
 // The vocab-parallel step on CUDA devices (vocab_parallel.h): rank g holds weight rows [shard.begin, shard.end)
 // (and their bias) on its device, plus all of x and target. Per chunk of token rows (fused/schedule.h's plan, the
 // same on every rank), on each rank with the one-GPU cuda backend's GEMMs and kernels unless named otherwise:
-//   logits     Z_g = X W_g^T (promoted GEMM on sm_90, its cuBLAS tail, or sliced cuBLAS: tuning_for as one GPU)
+//   logits     Z_g = X W_g^T (promoted GEMM on sm_90, its cuBLAS tail, or sliced cuBLAS: cuda::logits_gemm, as one GPU)
 //   stats      per row: its max, sum exp(z - max), double row sum, raw target logit on the owner (shard_kernels)
 //   collective all-reduce max of the row max; each rank rescales its sum to that max; all-reduce sum of
 //              (sum, target logit) and of the row sums; every rank then holds the one-GPU backend's row stats
@@ -103,7 +103,7 @@ class Step {
         options_(options),
         shape_(problem.shape),
         targets_(read_targets(problem)),
-        tuning_(cuda::tuning_for(problem.shape.H, options)),
+        logits_gemm_(cuda::logits_gemm(problem.shape.H, options, cuda::device_features())),
         collectives_(collectives),
         ld_h_(padded(problem.shape.H)),
         gradients_(options.gradients) {
@@ -195,33 +195,15 @@ class Step {
       if (r->grad_bias.get()) SIMPO_CUDA_CHECK(cudaMemsetAsync(r->grad_bias.get(), 0, r->shard.size() * 4, r->stream));
     }
     first_weight_gemm_ = true;
-    switch (schedule_.mode) {
-      case Mode::three_pass:
-        for (const Chunk& c : schedule_.chunks) {
-          logits_of(c);
-          statistics_of(c);
-          pair_math(c.pair_begin, c.pair_end);
-          backward_of(c);
-        }
-        break;
-      case Mode::two_pass:
-        for (const Chunk& c : schedule_.chunks) {
-          logits_of(c);
-          statistics_of(c);
-        }
-        pair_math(0, shape_.P());
-        for (const Chunk& c : schedule_.chunks) {
-          logits_of(c);  // recomputed: the budget could not keep a whole pair's logits
-          backward_of(c);
-        }
-        break;
-      case Mode::forward_only:
-        for (const Chunk& c : schedule_.chunks) {
-          logits_of(c);
-          statistics_of(c);
-        }
-        break;
-    }
+    walk(schedule_, shape_,
+         Stages{.forward =
+                    [this](const Chunk& c, bool) {
+                      logits_of(c);
+                      statistics_of(c);
+                    },
+                .pair_math = [this](std::int64_t b, std::int64_t e) { pair_math(b, e); },
+                .logits = [this](const Chunk& c) { logits_of(c); },
+                .backward = [this](const Chunk& c) { backward_of(c); }});
     const std::int64_t N = shape_.N(), H = shape_.H;
     std::vector<RowStats> stats;
     for (auto& r : ranks_) {
@@ -292,15 +274,13 @@ class Step {
         const auto* x_part = r.x.as<__nv_bfloat16>() + part.begin * ld_h_;
         float* logits_part = r.logits.as<float>() + offset * r.ld_v;
         // The promoted GEMM stores whole groups of 4 columns; the last V % 4 through cuBLAS, cut along k as often.
-        const std::int64_t V4 = tuning_.logits == cuda::Tuning::Logits::promoted ? V / 4 * 4 : 0;
+        const std::int64_t V4 = logits_gemm_.promoted ? V / 4 * 4 : 0;
         if (V4 > 0)
-          cuda::promoted_logits(part.rows(), V4, ld_h_, x_part, weight, logits_part, r.ld_v, tuning_.promotion_k, r.stream,
-                                r.gemm_scratch.get(), static_cast<std::size_t>(gemm_bytes_), tuning_.promoted);
-        const int tail_splits = V4 == 0 ? tuning_.logits_k_splits
-                                : tuning_.promotion_k > 0
-                                    ? static_cast<int>((ld_h_ + tuning_.promotion_k - 1) / tuning_.promotion_k)
-                                    : 1;
-        if (V4 < V) r.gemms->logits(part.rows(), V - V4, ld_h_, x_part, weight + V4 * ld_h_, logits_part + V4, r.ld_v, tail_splits);
+          cuda::promoted_logits(part.rows(), V4, ld_h_, x_part, weight, logits_part, r.ld_v, logits_gemm_.promotion_k,
+                                r.stream, r.gemm_scratch.get(), static_cast<std::size_t>(gemm_bytes_));
+        if (V4 < V)
+          r.gemms->logits(part.rows(), V - V4, ld_h_, x_part, weight + V4 * ld_h_, logits_part + V4, r.ld_v,
+                          logits_gemm_.k_splits);
         offset += part.rows();
       }
     }
@@ -427,7 +407,7 @@ class Step {
   const Options& options_;
   const Shape shape_;
   const Targets targets_;
-  const cuda::Tuning tuning_;
+  const cuda::LogitsGemm logits_gemm_;
   Collectives& collectives_;
   const std::int64_t ld_h_;
   const bool gradients_;

@@ -38,7 +38,8 @@ struct RankOutputs {
   TensorMap outputs;
 };
 
-// The G ranks' outputs, computed in one process (validates first, as every implementation does).
+// The G ranks' outputs, computed in one process (validates first, as every implementation does). The shards keep
+// fp32 logits for dz: Options::logit_distances does not apply to them.
 std::vector<RankOutputs> compute_ranks(const Problem&, const Options&, int shards);
 
 // SPEC's outputs from the ranks': the replicated tensors from rank 0 (InputError if any rank's copy differs in

@@ -9,7 +9,6 @@
 #include "verifier/implementation.h"
 #include "verifier/properties.h"
 
-#include "device_compute.h"
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -424,7 +423,7 @@ NB_MODULE(_core, m) {
   }, "outputs"_a, "source"_a);
 
   m.def("cuda_available", &simpo::fused::cuda_available);
-  m.def("has_device_entry", [] { return simpo::python::device_entry_built(); });
+  m.def("has_device_entry", [] { return simpo::fused::cuda_built(); });
 
   // Host inputs: reference, cpu, cuda (uploads and downloads), auto.
   m.def("compute", [](const Problem& p, const std::string& impl, bool gradients, bool grad_f32, bool validate,
@@ -448,9 +447,10 @@ NB_MODULE(_core, m) {
   // Inputs on a CUDA device (pointers from DLPack / torch): outputs written to caller-allocated device buffers
   // (gradients) and returned on the host (scalars, per-pair tensors). device_compute.h says what it checks.
   m.def("compute_device", [](const nb::dict& args) {
-    simpo::python::DeviceCall c;
+    simpo::fused::DeviceCall c;
     c.shape = {nb::cast<std::int64_t>(args["B"]), nb::cast<std::int64_t>(args["T"]), nb::cast<std::int64_t>(args["H"]),
                nb::cast<std::int64_t>(args["V"])};
+    c.hp = simpo::hyperparameters_from_metadata(nb::cast<std::map<std::string, std::string>>(args["metadata"]));
     c.device = nb::cast<int>(args["device"]);
     c.stream = nb::cast<std::uintptr_t>(args["stream"]);
     c.x = nb::cast<std::uintptr_t>(args["x"]);
@@ -460,19 +460,20 @@ NB_MODULE(_core, m) {
     c.grad_x = nb::cast<std::uintptr_t>(args["grad_x"]);
     c.grad_weight = nb::cast<std::uintptr_t>(args["grad_weight"]);
     c.grad_bias = nb::cast<std::uintptr_t>(args["grad_bias"]);
-    c.metadata = nb::cast<std::map<std::string, std::string>>(args["metadata"]);
     c.options = fused_options("cuda", nb::cast<bool>(args["gradients"]), nb::cast<bool>(args["grad_f32"]),
                               nb::cast<bool>(args["validate"]), nb::cast<std::int64_t>(args["workspace_bytes"]),
                               nb::cast<std::int64_t>(args["max_chunk_rows"]));
-    simpo::python::DeviceResult r;
+    c.keep_workspace = true;  // the torch module calls once per step
+    simpo::fused::DeviceResult r;
     {
       nb::gil_scoped_release release;
-      r = simpo::python::compute_device(c);
+      r = simpo::fused::compute_on_device(c);
     }
     nb::dict d;
     d["outputs"] = wire_of(r.forward);
     d["workspace_bytes"] = r.workspace_bytes;
     d["extra_device_bytes"] = r.extra_device_bytes;
+    d["plan"] = r.plan;
     return d;
   }, "args"_a);
 

@@ -12,6 +12,7 @@
 #include "fused/cuda/hilo_gemm.h"
 #include "fused/cuda/promoted_gemm.h"
 
+#include <CLI/CLI.hpp>
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -106,145 +107,62 @@ std::int64_t free_device_bytes() {
   return static_cast<std::int64_t>(free_bytes);
 }
 
+// How the plan computes the logits and accumulates grad_W, for the header line and the JSON rows.
+std::string logits_description(const StepPlan& plan) {
+  if (!plan.logits.promoted) return "cuBLAS, k in " + std::to_string(plan.logits.k_splits) + " slice(s)";
+  return "promoted GEMM every " + std::to_string(plan.logits.promotion_k) + " k, full step keeps " +
+         (plan.logit_distances() ? "16-bit logit distances" : "fp32 logits");
+}
+std::string grad_weight_description(const StepPlan& plan) {
+  return plan.grad_weight == StepPlan::GradWeight::hilo ? "bf16 hi/lo pair" : "fp32 accumulator";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"The cuda backend's fused step on the published workload against the same run's cuBLAS floor"};
   std::vector<std::int64_t> batches = {2, 4, 8, 16};
-  std::int64_t T = 1024, H = 4096, V = 128256;
-  std::int64_t workspace = default_workspace_bytes;
+  std::int64_t T = 1024, H = 4096, V = 128256, workspace_mib = default_workspace_bytes >> 20, max_chunk_rows = 0;
+  std::int64_t logits_k_slice = Options{}.logits_k_slice;
   int warmup = 3, reps = 10;
   Tuning tuning;
-  bool tuned = false;  // false: what fused::Options' default logits_k_slice gives for H on this device
-  std::int64_t max_chunk_rows = 0;
-  bool kernels = false;  // --kernels: after each B's row, 3 full steps kernel by kernel (CUPTI, kernel_trace.h)
-  bool block_timing = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::int64_t {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return std::atoll(argv[++i]);
-    };
-    if (a == "--B") {
-      batches.clear();
-      batches.push_back(next());
-      while (i + 1 < argc && argv[i + 1][0] != '-') batches.push_back(std::atoll(argv[++i]));
-    } else if (a == "--T") T = next();
-    else if (a == "--H") H = next();
-    else if (a == "--V") V = next();
-    else if (a == "--workspace-mib") workspace = next() << 20;
-    else if (a == "--reps") reps = static_cast<int>(next());
-    else if (a == "--warmup") warmup = static_cast<int>(next());
-    else if (a == "--logits-k-splits") {
-      tuning = Tuning{};
-      tuning.logits_k_splits = static_cast<int>(next());
-      tuned = true;
-    } else if (a == "--promotion-k") {
-      const std::int64_t k = next();
-      const PromotedSchedule schedule = tuning.promoted;
-      tuning = Tuning{};
-      tuning.logits = Tuning::Logits::promoted;
-      tuning.promotion_k = k;
-      tuning.promoted = schedule;
-      tuned = true;
-    } else if (a == "--variant") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.promoted.variant = static_cast<int>(next());
-      tuned = true;
-    } else if (a == "--swizzle") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.promoted.swizzle = static_cast<int>(next());
-      tuned = true;
-    } else if (a == "--max-chunk-rows") max_chunk_rows = next();
-    else if (a == "--gemms-per-part" || a == "--logits-per-part") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      if (a == "--gemms-per-part") tuning.gradient_gemms_per_chunk = false;
-      tuning.logits_gemm_per_chunk = false;
-      tuned = true;
-    } else if (a == "--no-epilogue-stats" || a == "--epilogue-stats" || a == "--epilogue-stats-forward") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.epilogue_stats = a == "--epilogue-stats"           ? Tuning::EpilogueStats::always
-                              : a == "--epilogue-stats-forward" ? Tuning::EpilogueStats::forward
-                                                                : Tuning::EpilogueStats::never;
-      tuned = true;
-    } else if (a == "--low-memory") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      const std::string when = i + 1 < argc ? argv[++i] : "";
-      if (when == "always") tuning.low_memory = Tuning::LowMemory::always;
-      else if (when == "never") tuning.low_memory = Tuning::LowMemory::never;
-      else if (when == "auto") tuning.low_memory = Tuning::LowMemory::automatic;
-      else {
-        std::fprintf(stderr, "cuda_bench: --low-memory takes always, never or auto, not '%s'\n", when.c_str());
-        return 2;
-      }
-      tuned = true;
-    } else if (a == "--kernels") {
-      kernels = true;
-    } else if (a == "--block-timing") {
-      block_timing = true;
-    } else if (a == "--no-hilo" || a == "--hilo-variant") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      if (a == "--no-hilo") tuning.hilo_grad_weight = false;
-      else tuning.hilo_variant = static_cast<int>(next());
-      tuned = true;
-    } else if (a == "--logit-distances") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.logit_distances = true;
-      tuned = true;
-    } else if (a == "--weight-gemm-sms") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.weight_gemm_sms = static_cast<int>(next());
-      tuned = true;
-    } else if (a == "--forward-chunk-rows") {
-      if (!tuned) tuning = tuning_for(H, Options{});
-      tuning.forward_chunk_rows = tuning.forward_stats_chunk_rows = next();
-      tuned = true;
-    }
-    else {
-      std::fprintf(stderr,
-                   "usage: cuda_bench [--B n] [--T n] [--H n] [--V n] [--workspace-mib n] [--reps n] [--warmup n]\n"
-                   "                  [--logits-k-splits n | --promotion-k k] [--variant v] [--swizzle s] [--max-chunk-rows n]\n"
-                   "                  [--forward-chunk-rows n (0: as the budget allows)] [--gemms-per-part | --logits-per-part]\n"
-                   "                  [--epilogue-stats (every schedule) | --epilogue-stats-forward (the default) | --no-epilogue-stats]\n"
-                   "                  [--no-hilo (fp32 grad_W accumulator) | --hilo-variant v] [--kernels] [--block-timing]\n"
-                   "                  [--weight-gemm-sms n (the hi/lo weight GEMM on n SMs, grad_x beside it on the rest)]\n"
-                   "                  [--logit-distances (the full step keeps 16-bit logit distances, chunks of distance_chunk_rows)]\n"
-                   "                  [--low-memory always|never|auto (the vocabulary-sliced schedule; auto: when the budget\n"
-                   "                   cannot hold one pair's rows)]\n"
-                   "  (default logits GEMM: what Options::logits_k_slice gives on this device)\n"
-                   "  default: B in {2, 4, 8, 16} (--B takes a list), T=1024 H=4096 V=128256, 2 GiB workspace, 3 warm-ups, 10 reps\n");
-      return a == "--help" ? 0 : 2;
-    }
-  }
-
-  if (!tuned) tuning = tuning_for(H, Options{});
-  const std::string logits_gemm =
-      tuning.logits == Tuning::Logits::promoted
-          ? std::string("promoted GEMM (") + promoted_variant_name(tuning.promoted.variant) + ") every " +
-                std::to_string(tuning.promotion_k) + " k, swizzle " + std::to_string(tuning.promoted.swizzle) +
-                ", forward chunks <= " + std::to_string(tuning.forward_chunk_rows) + " rows (" +
-                std::to_string(tuning.forward_stats_chunk_rows) + " with the epilogue statistics), statistics " +
-                (tuning.promoted.variant != 0 || tuning.epilogue_stats == Tuning::EpilogueStats::never
-                     ? "by row_stats_kernel"
-                 : tuning.epilogue_stats == Tuning::EpilogueStats::always
-                     ? "in the GEMM epilogue"
-                     : "in the GEMM epilogue (forward), by row_stats_kernel (full step)") +
-                (tuning.gradient_gemms_per_chunk ? ", gradient GEMMs per chunk" : ", gradient GEMMs per part") +
-                (tuning.logits_gemm_per_chunk && tuning.gradient_gemms_per_chunk ? ", logits GEMM per chunk"
-                                                                                 : ", logits GEMM per part") +
-                (tuning.logit_distances ? ", full step: 16-bit logit distances in chunks <= " +
-                                              std::to_string(tuning.distance_chunk_rows) + " rows"
-                                        : std::string(", full step: fp32 logits"))
-          : "cuBLAS, k in " + std::to_string(tuning.logits_k_splits) + " slice(s)";
-  const std::string grad_weight_path =
-      tuning.hilo_grad_weight && hilo_gemm_available() && H % 8 == 0
-          ? std::string("bf16 hi/lo pair (") + hilo_gemm_variant_name(tuning.hilo_variant) + ")" +
-                (tuning.weight_gemm_sms > 0
-                     ? ", on " + std::to_string(tuning.weight_gemm_sms) + " SMs beside grad_x on the rest"
-                     : std::string(", after grad_x"))
-          : std::string("fp32 accumulator");
+  std::string low_memory = "auto";
+  bool kernels = false, block_timing = false, fp32_logits = false;
+  app.add_option("--B", batches, "sequences (B/2 pairs); a list")->capture_default_str();
+  app.add_option("--T", T, "tokens per sequence")->capture_default_str();
+  app.add_option("--H", H, "hidden size")->capture_default_str();
+  app.add_option("--V", V, "vocabulary")->capture_default_str();
+  app.add_option("--workspace-mib", workspace_mib, "the workspace budget")->capture_default_str();
+  app.add_option("--reps", reps, "timed repetitions (the median is reported)")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed repetitions first")->capture_default_str();
+  app.add_option("--max-chunk-rows", max_chunk_rows, "cap on rows per chunk (0: the plan's)")->capture_default_str();
+  app.add_option("--logits-k-slice", logits_k_slice, "Options::logits_k_slice (k per promotion / cuBLAS slice; 0: one GEMM)")
+      ->capture_default_str();
+  app.add_flag("--cublas-logits", tuning.cublas_logits, "the logits through cuBLAS even where the promoted GEMM runs");
+  bool logit_distances = Options{}.logit_distances;
+  app.add_flag("--logit-distances", logit_distances, "the full step keeps 16-bit logit distances");
+  app.add_flag("--fp32-logits", fp32_logits, "the full step keeps fp32 logits");
+  app.add_option("--low-memory", low_memory, "the vocabulary-sliced schedule: always, never, or auto (when the budget "
+                                             "cannot hold one pair's rows)")
+      ->check(CLI::IsMember({"always", "never", "auto"}))
+      ->capture_default_str();
+  app.add_flag("--kernels", kernels, "after each B's row, 3 full steps kernel by kernel (CUPTI)");
+  app.add_flag("--block-timing", block_timing, "each body's repetitions back to back instead of in turns");
+  CLI11_PARSE(app, argc, argv);
+  if (fp32_logits) logit_distances = false;
+  tuning.low_memory = low_memory == "always"  ? Tuning::LowMemory::always
+                      : low_memory == "never" ? Tuning::LowMemory::never
+                                              : Tuning::LowMemory::automatic;
+  const std::int64_t workspace = workspace_mib << 20;
+  Options plan_options;
+  plan_options.workspace_bytes = workspace;
+  plan_options.logits_k_slice = logits_k_slice;
+  plan_options.logit_distances = logit_distances;
+  const GradientOutputs bf16_outputs{.grad_weight_bf16 = true};
+  const StepPlan header_plan = plan_step({.B = 2, .T = T, .H = H, .V = V}, plan_options, device_features(),
+                                         &bf16_outputs, tuning);
+  const std::string logits_gemm = logits_description(header_plan);
+  const std::string grad_weight_path = grad_weight_description(header_plan);
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -295,8 +213,7 @@ int main(int argc, char** argv) {
       gradients.grad_x = grad_x.as<__nv_bfloat16>();
       gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();  // no fp32 grad_W: the runner's choice
 
-      Options options;
-      options.workspace_bytes = workspace;
+      Options options = plan_options;
       options.max_chunk_rows = max_chunk_rows;
       Options forward_options = options;
       forward_options.gradients = false;

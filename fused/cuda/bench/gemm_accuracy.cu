@@ -150,7 +150,6 @@ int main(int argc, char** argv) {
     cublasHandle_t h;
     SIMPO_CUBLAS_CHECK(cublasCreate(&h));
     const bool promoted = promoted_logits_available();
-    const int variants = promoted ? promoted_variant_count() : 0;
     DeviceBuffer scratch(std::size_t{32} << 20, "GEMM scratch");
     std::printf("promoted GEMM: %s\n", promoted ? "available" : "not available (no CUTLASS build or not sm_90)");
 
@@ -163,11 +162,10 @@ int main(int argc, char** argv) {
         {"cuBLAS 32F", [&](const HostCase& c, auto x, auto w, float* z) { cublas_logits(h, CUBLAS_COMPUTE_32F, c.M, c.N, c.K, x, w, z, c.ldz); }},
         {"cuBLAS PEDANTIC", [&](const HostCase& c, auto x, auto w, float* z) { cublas_logits(h, CUBLAS_COMPUTE_32F_PEDANTIC, c.M, c.N, c.K, x, w, z, c.ldz); }},
     };
-    for (int v = 0; v < variants; ++v)
-      for (std::int64_t pk : {std::int64_t{0}, std::int64_t{256}, std::int64_t{128}})
-        candidates.push_back({std::string("promoted ") + promoted_variant_name(v) + " every " + (pk ? std::to_string(pk) : "-"),
-                              [&, v, pk](const HostCase& c, auto x, auto w, float* z) {
-                                promoted_logits(c.M, c.N, c.K, x, w, z, c.ldz, pk, nullptr, scratch.get(), scratch.bytes(), {v});
+    for (std::int64_t pk : {std::int64_t{256}, std::int64_t{128}, std::int64_t{64}})
+      if (promoted)
+        candidates.push_back({"promoted every " + std::to_string(pk), [&, pk](const HostCase& c, auto x, auto w, float* z) {
+                                promoted_logits(c.M, c.N, c.K, x, w, z, c.ldz, pk, nullptr, scratch.get(), scratch.bytes());
                               }});
 
     auto check = [&](const HostCase& c, const char* label) {
@@ -218,24 +216,12 @@ int main(int argc, char** argv) {
     time_both("cuBLAS 32F, fp32 out", [&](int M) {
       cublas_logits(h, CUBLAS_COMPUTE_32F, M, N, K, dx.as<__nv_bfloat16>(), dw.as<__nv_bfloat16>(), dz.get(), N);
     });
-    struct Config {
-      std::int64_t promotion_k;
-      int swizzle;
-      PromotedSchedule::Raster raster;
-    };
-    using R = PromotedSchedule::Raster;
-    for (int v = 0; v < variants; ++v)
-      for (Config c : {Config{256, 1, R::heuristic}, Config{0, 1, R::heuristic}, Config{128, 1, R::heuristic},
-                       Config{256, 4, R::heuristic}, Config{256, 8, R::heuristic}, Config{256, 1, R::along_n}}) {
-        const PromotedSchedule schedule{v, c.swizzle, c.raster};
-        time_both(std::string("promoted ") + promoted_variant_name(v) + " every " +
-                      (c.promotion_k ? std::to_string(c.promotion_k) : "-") + " sw" + std::to_string(c.swizzle) +
-                      (c.raster == R::along_n ? " alongN" : ""),
-                  [&](int M) {
-                    promoted_logits(M, N, K, dx.as<__nv_bfloat16>(), dw.as<__nv_bfloat16>(), dz.as<float>(), N,
-                                    c.promotion_k, nullptr, scratch.get(), scratch.bytes(), schedule);
-                  });
-      }
+    for (std::int64_t pk : {std::int64_t{256}, std::int64_t{128}})
+      if (promoted)
+        time_both("promoted every " + std::to_string(pk), [&](int M) {
+          promoted_logits(M, N, K, dx.as<__nv_bfloat16>(), dw.as<__nv_bfloat16>(), dz.as<float>(), N, pk, nullptr,
+                          scratch.get(), scratch.bytes());
+        });
     cublasDestroy(h);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gemm_accuracy: %s\n", e.what());

@@ -8,10 +8,9 @@
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
 #                                                  and its variants), sanitize (memcheck on the suite, racecheck on
 #                                                  small cases); logs in $OUT
-# Knobs (environment): BENCH_VARIANTS, BENCH_EXTRA (';'-separated cuda_bench argument sets), ACCURACY_EXTRA (the
-# same for fused_accuracy_table), SMALL_WORKSPACE,
-# PEERS_JSON (default: bench/peers.json), MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY. The
-# second round's run: BENCHMARKS.md, "Second round".
+# Knobs (environment): BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
+# (the same for fused_accuracy_table), SMALL_WORKSPACE, PEERS_JSON (default: bench/peers.json),
+# MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY.
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
@@ -69,7 +68,7 @@ if want accuracy; then
   echo "== accuracy table, default logits GEMM"
   $acc --H 1024 2>&1 | tee "$OUT/accuracy.log"
   $acc --H 4096 --B 2 8 2>&1 | tee -a "$OUT/accuracy.log"
-  # ACCURACY_EXTRA: ';'-separated flag sets, the same table again with each (e.g. --logit-distances).
+  # ACCURACY_EXTRA: ';'-separated flag sets, the same table again with each (e.g. --fp32-logits).
   aextra=()
   [ -n "${ACCURACY_EXTRA:-}" ] && IFS=';' read -r -a aextra <<< "$ACCURACY_EXTRA"
   for args in "${aextra[@]}"; do
@@ -82,23 +81,17 @@ fi
 if want bench; then
   echo "== cuda_bench, default (B 2 4 8 16)"
   "$stage/cuda_bench" 2>&1 | tee "$OUT/bench.log"
-  # Each other promoted variant at every B (BENCH_VARIANTS, default: the split-N 128x256 tile; its statistics
-  # come from row_stats_kernel), then the BENCH_EXTRA forms.
-  for v in ${BENCH_VARIANTS-4}; do  # set but empty: none
-    echo "== cuda_bench --variant $v"
-    "$stage/cuda_bench" --variant $v 2>&1 | tee -a "$OUT/bench.log"
-  done
-  # BENCH_EXTRA: ';'-separated argument sets, each run at B = 2 and 16 (empty: none). Default: the statistics in
-  # the GEMM epilogue (off by default), the gradient GEMMs per part (the path before), the one-cuBLAS-GEMM mode.
-  extra=("--epilogue-stats" "--gemms-per-part" "--logits-k-splits 1")
+  # BENCH_EXTRA: ';'-separated argument sets, each run at every B (empty: none). Default: the full step's other
+  # kept-logits form (fp32), so the default's choice (distances) is measured against it in the same call.
+  extra=("--fp32-logits")
   [ -n "${BENCH_EXTRA+x}" ] && IFS=';' read -r -a extra <<< "$BENCH_EXTRA"
   for args in "${extra[@]}"; do
-    echo "== cuda_bench --B 2 16 $args"
-    "$stage/cuda_bench" --B 2 16 $args 2>&1 | tee -a "$OUT/bench.log"
+    echo "== cuda_bench $args"
+    "$stage/cuda_bench" $args 2>&1 | tee -a "$OUT/bench.log"
   done
   if [ "${SMALL_WORKSPACE:-1}" = 1 ]; then
-    echo "== cuda_bench, 256 MiB workspace (the two_pass fallback)"
-    "$stage/cuda_bench" --B 2 16 --workspace-mib 256 --reps 5 2>&1 | tee -a "$OUT/bench.log"
+    echo "== cuda_bench, 64 MiB workspace (the low-memory schedule)"
+    "$stage/cuda_bench" --B 16 --workspace-mib 64 --reps 5 2>&1 | tee -a "$OUT/bench.log"
   fi
   python3 "$(dirname "$0")/speed_table.py" "$OUT/bench.log" --json "$OUT/speed.json" --png "$OUT/speed.png" \
     --peers "${PEERS_JSON:-$(dirname "$0")/peers.json}" 2>&1 | tee -a "$OUT/bench.log"

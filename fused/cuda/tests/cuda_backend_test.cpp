@@ -39,11 +39,13 @@ using namespace suite;
 Options cuda_options() { return options_for(Backend::cuda); }
 
 const Shape feature_shape{.B = 4, .T = 64, .H = 96, .V = 300};
+const cuda::GradientOutputs bf16_outputs{.grad_weight_bf16 = true};  // what cuda::compute gives the runner
 
 // ---- the logits GEMM ----
 
-// The logits GEMM cut along k (cuda::Tuning): slices summed in the fp32 epilogue compute the same function.
-// Odd H (31 -> 32 padded columns, slices of 8) and H = 96 (slices of 24/32) exercise the slice arithmetic.
+// The logits GEMM through cuBLAS cut along k (Options::logits_k_slice; the default off sm_90): slices summed in the
+// fp32 epilogue compute the same function. Odd H (31 -> 32 padded columns, slices of 8) and H = 96 (slices of
+// 24/32) exercise the slice arithmetic.
 TEST(CudaBackendFeatures, LogitsKSlicesMeetTheBar) {
   SKIP_WITHOUT_DEVICE();
   for (Shape shape : {Shape{.B = 4, .T = 16, .H = 31, .V = 123}, feature_shape}) {
@@ -53,57 +55,55 @@ TEST(CudaBackendFeatures, LogitsKSlicesMeetTheBar) {
     const TensorMap exact = reference::compute(problem);
     for (int slices : {2, 3, 4}) {
       SCOPED_TRACE(shape.to_string() + ", " + std::to_string(slices) + " slices");
-      cuda::Tuning tuning;
-      tuning.logits_k_splits = slices;
-      const TensorMap out = cuda::compute(problem, cuda_options(), tuning);
+      Options options = cuda_options();
+      options.logits_k_slice = (shape.H + slices - 1) / slices;
+      ASSERT_EQ(cuda::logits_gemm(shape.H, options, {}).k_splits, slices);
+      const TensorMap out = cuda::compute(problem, options, cuda::Tuning{.cublas_logits = true});
       expect_meets_bar(out, exact, spec.logit_scale);
     }
   }
 }
 
-// The promoted logits GEMM (promoted_gemm.h; the default on sm_90 when built with CUTLASS): every compiled
-// variant, promoting every 64 or 256 k or never, computes the same function, at odd sizes (rows and V not
-// multiples of a tile, V % 4 != 0 for the cuBLAS tail, H = 31 padded to 32 < one k tile) as well.
+// The promoted logits GEMM (promoted_gemm.h; the default on sm_90 when built with CUTLASS), promoting every 64 or
+// 256 k, computes the same function, at odd sizes (rows and V not multiples of a tile, V % 4 != 0 for the cuBLAS
+// tail, H = 31 padded to 32 < one k tile) as well. The full step with fp32 logits: the GEMM's stored logits and
+// row_stats_kernel over them.
 TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_logits_available())
     GTEST_SKIP() << "the promoted logits GEMM needs a build with CUTLASS and a device of compute capability 9.0";
-  EXPECT_EQ(cuda::tuning_for(4096, Options{}).logits, cuda::Tuning::Logits::promoted) << "the default on sm_90";
+  EXPECT_TRUE(cuda::logits_gemm(4096, Options{}, cuda::device_features()).promoted) << "the default on sm_90";
   for (Shape shape : {Shape{.B = 4, .T = 16, .H = 31, .V = 123}, feature_shape, Shape{.B = 2, .T = 70, .H = 520, .V = 1001}}) {
     CaseSpec spec = spec_of(shape, 30.0, 34);
     spec.bias = true;
     const Problem problem = generate(spec);
     const TensorMap exact = reference::compute(problem);
-    for (int variant = 0; variant < cuda::promoted_variant_count(); ++variant)
-      for (std::int64_t promotion_k : {64, 256, 0}) {
-        SCOPED_TRACE(shape.to_string() + ", " + cuda::promoted_variant_name(variant) + ", promotion_k " +
-                     std::to_string(promotion_k));
-        cuda::Tuning tuning;
-        tuning.logits = cuda::Tuning::Logits::promoted;
-        tuning.promotion_k = promotion_k;
-        tuning.promoted.variant = variant;
-        // the variant computes the logits; the statistics: row_stats_kernel
-        tuning.epilogue_stats = cuda::Tuning::EpilogueStats::never;
-        const TensorMap out = cuda::compute(problem, cuda_options(), tuning);
-        expect_meets_bar(out, exact, spec.logit_scale);
-      }
+    for (std::int64_t promotion_k : {64, 256}) {
+      SCOPED_TRACE(shape.to_string() + ", promotion_k " + std::to_string(promotion_k));
+      Options options = cuda_options();
+      options.logits_k_slice = promotion_k;
+      options.logit_distances = false;
+      const TensorMap out = cuda::compute(problem, options);
+      expect_meets_bar(out, exact, spec.logit_scale);
+    }
   }
 }
 
-// The row statistics from the promoted GEMM's epilogue (promoted_stats.h; Tuning::epilogue_stats): the
-// same function as row_stats_kernel over stored logits, in every schedule (three_pass stores the logits too;
-// two_pass's first pass and forward_only store none), with a bias, random ignored rows and a custom
-// ignore_index, at V not a multiple of the 192-wide tile (196: a last tile of 4 columns) or a multiple (384),
-// rows not a multiple of the 128-row tile; against the previous path (row_stats_kernel, gradient GEMMs per part).
-// The third shape has 330 tiles, more than two per CTA on any GPU of <= 132 SMs, so a tile's epilogue runs under
-// the next tile's first wgmmas (promoted_stats.cu), with K a partial last k tile, at promotion every k tile (64)
-// and every four (256).
+// The row statistics from the promoted GEMM's epilogue (promoted_stats.h): the same function as row_stats_kernel
+// over stored logits, in every schedule (the forward and two_pass's first pass store no logits; the full step's
+// statistics come from the epilogue that writes the logit distances), with a bias, random ignored rows and a custom
+// ignore_index, at V not a multiple of the 192-wide tile (200: a last tile of 8 columns) or a multiple (384), rows
+// not a multiple of the 128-row tile; against row_stats_kernel (the forward through cuBLAS, the full step with fp32
+// logits). The third shape has 330 tiles, more than two per CTA on any GPU of <= 132 SMs, so a tile's epilogue runs
+// under the next tile's first wgmmas (promoted_stats.cu), with K a partial last k tile, at promotion every k tile
+// (64) and every four (256). With distances the gradients move by their rounding (2^-12 of each softmax value), so
+// the comparison there is the scalars'.
 TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the epilogue statistics need the promoted GEMM (CUTLASS build, compute capability 9.0)";
-  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 196}, Shape{.B = 2, .T = 300, .H = 64, .V = 384},
-                      Shape{.B = 2, .T = 300, .H = 200, .V = 6148}}) {
+  for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 200}, Shape{.B = 2, .T = 300, .H = 64, .V = 384},
+                      Shape{.B = 2, .T = 300, .H = 200, .V = 6152}}) {
     CaseSpec spec = spec_of(shape, 30.0, 35);
     spec.bias = true;
     spec.ignore = IgnorePattern::random;
@@ -121,16 +121,26 @@ TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
           Options options = cuda_options();
           options.max_chunk_rows = chunk_rows;
           options.gradients = gradients;
-          cuda::Tuning with = cuda::tuning_for(shape.H, options), without = with;
-          ASSERT_EQ(with.logits, cuda::Tuning::Logits::promoted);
-          with.promotion_k = without.promotion_k = promotion_k;
-          with.epilogue_stats = cuda::Tuning::EpilogueStats::always;
-          // and the gradient GEMMs a part at a time: the previous path
-          without.epilogue_stats = cuda::Tuning::EpilogueStats::never;
-          without.gradient_gemms_per_chunk = false;
-          const TensorMap out = cuda::compute(problem, options, with);
+          options.logits_k_slice = promotion_k;
+          options.logit_distances = true;
+          const cuda::StepPlan plan =
+              cuda::plan_step(shape, options, cuda::device_features(), gradients ? &bf16_outputs : nullptr);
+          ASSERT_TRUE(plan.epilogue_statistics) << plan.to_string();
+          const TensorMap out = cuda::compute(problem, options);
           expect_meets_bar(out, gradients ? exact : exact_forward, spec.logit_scale);
-          expect_same_to_fp32_noise(out, cuda::compute(problem, options, without), gradients ? &exact : &exact_forward);
+          Options fp32_logits = options;
+          fp32_logits.logit_distances = false;
+          const TensorMap other = gradients ? cuda::compute(problem, fp32_logits)
+                                            : cuda::compute(problem, options, cuda::Tuning{.cublas_logits = true});
+          if (gradients) {
+            for (const char* name : {output_name::loss, output_name::nll_loss, output_name::chosen_logps,
+                                     output_name::rejected_logps, output_name::chosen_logits_mean})
+              for (std::int64_t i = 0; i < out.at(name).numel(); ++i)
+                EXPECT_LE(std::abs(out.at(name).value(i) - other.at(name).value(i)),
+                          1e-6 * (1 + std::abs(out.at(name).value(i)))) << name << "[" << i << "]";
+          } else {
+            expect_same_to_fp32_noise(out, other, &exact_forward);
+          }
         }
       }
     }
@@ -154,7 +164,7 @@ TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the logit distances need the promoted GEMM (CUTLASS build, compute capability 9.0)";
-  const std::int64_t rows = 200, V = 1000, H = 96, ld = 1008, tiles = cuda::promoted_stats_tiles(V);
+  const std::int64_t rows = 200, V = 1000, H = 96, ld = 1008, tiles = cuda::statistics_tiles(V);
   std::mt19937_64 rng(61);
   const std::vector<bf16> x = random_bf16(rows * H, 1.0, rng), w = random_bf16(V * H, 3.0, rng),
                           bias = random_bf16(V, 2.0, rng);
@@ -214,7 +224,7 @@ TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t v = 0; v < V; ++v) {
       const float z = logits[r * ld + v] + float(bias[v]);
-      const float m = tile_max[(v / cuda::promoted_stats_tile_columns) * rows + r];
+      const float m = tile_max[(v / cuda::statistics_tile_columns) * rows + r];
       const float expected = math::logit_distance(m, z);
       wrong += q[r * ld + v] != static_cast<std::uint16_t>(expected);
       saturated += expected == math::logit_distance_saturated;
@@ -228,7 +238,7 @@ TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
 
 // The runner with logit distances (the bar and the agreement with fp32 logits are the backend suite's
 // LogitDistancesMeetTheBarAndAgreeWithFp32Logits, run on this backend too): it reports them, keeps 2 bytes per
-// logit, its partials share grad_x's bytes, and distance_chunk_rows sets the chunk (two pairs here).
+// logit, and its partials share grad_x's bytes.
 TEST(CudaBackendSchedules, LogitDistancesRunnerKeepsTwoBytesPerLogit) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
@@ -242,15 +252,14 @@ TEST(CudaBackendSchedules, LogitDistancesRunnerKeepsTwoBytesPerLogit) {
   cuda::DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();
   gradients.grad_weight_bf16 = grad_w.as<__nv_bfloat16>();
-  cuda::Tuning tuning = cuda::tuning_for(H, cuda_options());
-  tuning.logit_distances = true;
-  tuning.distance_chunk_rows = 4 * shape.T;
-  runner.run(inputs.problem, &gradients, cuda_options(), tuning);
+  Options options = cuda_options();
+  options.logit_distances = true;
+  runner.run(inputs.problem, &gradients, options);
   const auto& report = runner.last_report();
-  EXPECT_TRUE(report.logit_distances);
+  EXPECT_TRUE(report.logit_distances());
   EXPECT_NE(report.to_string().find("16-bit logit distances"), std::string::npos) << report.to_string();
   EXPECT_EQ(report.schedule.chunks.size(), 1u) << report.to_string();
-  const std::int64_t tiles = cuda::promoted_stats_tiles(V);
+  const std::int64_t tiles = cuda::statistics_tiles(V);
   EXPECT_EQ(report.schedule.bytes_per_row, V * 2 + std::max(ld_h * 4, tiles * 12) + ld_h * 2 + tiles * 4);
 }
 
@@ -277,9 +286,8 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   cuda::DeviceBuffer hi(M * N * 2, "hi"), lo(M * N * 2, "lo"), scratch(std::size_t{32} << 20, "scratch");
-  for (int variant = 0; variant < cuda::hilo_gemm_variant_count(); ++variant) {
-    SCOPED_TRACE(cuda::hilo_gemm_variant_name(variant));
-    std::mt19937_64 rng(51 + variant);
+  {
+    std::mt19937_64 rng(51);
     ASSERT_EQ(cudaMemset(hi.get(), 0xFF, hi.bytes()), cudaSuccess);  // 0xFFFF: a bf16 NaN
     ASSERT_EQ(cudaMemset(lo.get(), 0xFF, lo.bytes()), cudaSuccess);
     std::vector<double> exact(M * N, 0.0), bound(M * N, 0.0);
@@ -291,7 +299,7 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
       ASSERT_EQ(cudaMemcpy(x_d.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       cuda::hilo_accumulate_grad_weight(K, M, N, dz_d.as<__nv_bfloat16>(), ld_dz, x_d.as<__nv_bfloat16>(), N,
                                         hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), N, /*overwrite=*/i == 0, stream,
-                                        scratch.get(), scratch.bytes(), variant);
+                                        scratch.get(), scratch.bytes());
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       for (std::int64_t m = 0; m < M; ++m)
         for (std::int64_t n = 0; n < N; ++n) {
@@ -326,8 +334,8 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
   cudaStreamDestroy(stream);
 }
 
-// The full step with grad_W in the hi/lo pair (the default on sm_90) against the fp32 accumulator
-// (Tuning::hilo_grad_weight = false): both meet the bar, and they agree to bf16 noise, in three_pass and
+// The full step with grad_W in the hi/lo pair (the default on sm_90 for a bf16 output) against the fp32 accumulator
+// (an fp32 output, rounded to bf16 here): both meet the bar, and they agree to bf16 noise, in three_pass and
 // two_pass, with a bias, random ignored rows, many rows per target (V = 44: ~20 rows share each target in a
 // chunk, target_rows_hilo's sums), V % 8 != 0 (the last rows by hilo_tail), and a chunk of two parts.
 TEST(CudaBackendFeatures, HiLoGradWeightMeetsTheBarAndAgreesWithTheFp32Accumulator) {
@@ -344,12 +352,20 @@ TEST(CudaBackendFeatures, HiLoGradWeightMeetsTheBarAndAgreesWithTheFp32Accumulat
       SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows));
       Options options = cuda_options();
       options.max_chunk_rows = chunk_rows;
-      cuda::Tuning hilo = cuda::tuning_for(shape.H, options), f32 = hilo;
-      ASSERT_TRUE(hilo.hilo_grad_weight) << "the default";
-      f32.hilo_grad_weight = false;
-      const TensorMap out = cuda::compute(problem, options, hilo);
+      ASSERT_EQ(cuda::plan_step(shape, options, cuda::device_features(), &bf16_outputs).grad_weight,
+                cuda::StepPlan::GradWeight::hilo) << "the default";
+      const TensorMap out = cuda::compute(problem, options);
       expect_meets_bar(out, exact, spec.logit_scale);
-      expect_same_to_fp32_noise(out, cuda::compute(problem, options, f32), &exact);
+      Options f32 = options;
+      f32.grad_weight_f32 = true;
+      TensorMap rounded = cuda::compute(problem, f32);
+      for (const char* name : {output_name::grad_weight, output_name::grad_bias}) {
+        const Tensor& t = rounded.at(name);
+        std::vector<bf16> values(static_cast<std::size_t>(t.numel()));
+        for (std::int64_t i = 0; i < t.numel(); ++i) values[static_cast<std::size_t>(i)] = bf16(static_cast<float>(t.value(i)));
+        rounded[name] = Tensor::from<bf16>(t.shape, values);
+      }
+      expect_same_to_fp32_noise(out, rounded, &exact);
     }
   }
 }
@@ -387,63 +403,6 @@ TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
   EXPECT_EQ(std::memcmp(expected.data(), from_runner.data(), from_runner.size() * 2), 0);
 }
 
-// The two gradient GEMMs side by side (Tuning::weight_gemm_sms: the hi/lo GEMM's persistent grid on some SMs,
-// grad_x on a second stream): the same weight gradient bit for bit (each output tile is computed alike whichever SM
-// takes it, the target term in the same order), grad_x within fp32 noise (cuBLASLt may pick another kernel for
-// fewer SMs), scalars untouched; over several chunks, so a missing join (the next chunk's logits GEMM writing over
-// the dz that grad_x still reads, grad_x_finish reading grad_x early) would show; and values past the device's SMs
-// refused with a message naming the setting.
-TEST(CudaBackendSchedules, GradientGemmsSideBySideAgreeWithOneAfterTheOther) {
-  SKIP_WITHOUT_DEVICE();
-  if (!cuda::hilo_gemm_available())
-    GTEST_SKIP() << "the hi/lo weight GEMM needs a build with CUTLASS and a device of compute capability 9.0";
-  int device = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
-  for (Shape shape : {Shape{.B = 4, .T = 64, .H = 96, .V = 300}, Shape{.B = 4, .T = 70, .H = 520, .V = 1001}}) {
-    CaseSpec spec = spec_of(shape, 30.0, 57);
-    spec.bias = true;
-    spec.ignore = IgnorePattern::random;
-    const Problem problem = generate(spec);
-    const TensorMap exact = reference::compute(problem);
-    Options options = cuda_options();
-    options.max_chunk_rows = 2 * shape.T;  // a pair per chunk: B / 2 chunks, each one's GEMMs after the last's
-    const cuda::Tuning one_after_the_other = cuda::tuning_for(shape.H, options);
-    ASSERT_EQ(one_after_the_other.weight_gemm_sms, 0) << "the default";
-    const TensorMap before = cuda::compute(problem, options, one_after_the_other);
-    for (int weight_sms : {1, sms / 2, sms - 1}) {
-      SCOPED_TRACE(shape.to_string() + ", weight GEMM on " + std::to_string(weight_sms) + " of " +
-                   std::to_string(sms) + " SMs");
-      cuda::Tuning side_by_side = one_after_the_other;
-      side_by_side.weight_gemm_sms = weight_sms;
-      const TensorMap out = cuda::compute(problem, options, side_by_side);
-      expect_meets_bar(out, exact, spec.logit_scale);
-      expect_same_to_fp32_noise(out, before, &exact);
-      const auto grad_w = out.at(output_name::grad_weight).as<bf16>();
-      const auto grad_w_before = before.at(output_name::grad_weight).as<bf16>();
-      ASSERT_EQ(grad_w.size(), grad_w_before.size());
-      EXPECT_EQ(std::memcmp(grad_w.data(), grad_w_before.data(), grad_w.size() * 2), 0);
-      for (const char* name : {output_name::loss, output_name::chosen_logps, output_name::rejected_logps}) {
-        const Tensor& t = out.at(name);
-        for (std::int64_t i = 0; i < t.numel(); ++i)
-          EXPECT_EQ(t.value(i), before.at(name).value(i)) << name << "[" << i << "]: the forward changed";
-      }
-    }
-  }
-  const Problem problem = generate(spec_of(feature_shape, 2.0, 58));
-  for (int wrong : {-1, sms}) {
-    cuda::Tuning tuning = cuda::tuning_for(feature_shape.H, cuda_options());
-    tuning.weight_gemm_sms = wrong;
-    try {
-      cuda::compute(problem, cuda_options(), tuning);
-      ADD_FAILURE() << "weight_gemm_sms = " << wrong << " ran";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("weight_gemm_sms = " + std::to_string(wrong)), std::string::npos)
-          << e.what();
-    }
-  }
-}
-
 // ---- schedules and budgets ----
 
 // Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows of ~293 KiB) needs ~147 MiB plus
@@ -479,7 +438,7 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
     for (bool with_gradients : {true, false}) {
       Options options = cuda_options();
       options.workspace_bytes = mib << 20;
-      runner.run(device, with_gradients ? &gradients : nullptr, options, cuda::tuning_for(H, options));
+      runner.run(device, with_gradients ? &gradients : nullptr, options);
       const auto& report = runner.last_report();
       SCOPED_TRACE(std::to_string(mib) + " MiB: " + report.schedule.to_string());
       EXPECT_LE(report.workspace_bytes, options.workspace_bytes);
@@ -492,7 +451,7 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
         EXPECT_EQ(report.schedule.mode,
                   mib >= 200 ? Mode::three_pass : low_memory ? Mode::forward_only : Mode::two_pass);
       } else if (low_memory) {
-        EXPECT_EQ(report.schedule.bytes_per_row, cuda::promoted_stats_tiles(V) * 16) << "logits stored";
+        EXPECT_EQ(report.schedule.bytes_per_row, cuda::statistics_tiles(V) * 16) << "logits stored";
       }
     }
   }
@@ -526,8 +485,7 @@ TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
       options.grad_weight_f32 = f32;
       const TensorMap three_pass = cuda::compute(problem, options);
       options.workspace_bytes = std::int64_t{1} << 20;
-      cuda::Tuning tuning = cuda::tuning_for(shape.H, options);
-      tuning.low_memory = cuda::Tuning::LowMemory::always;
+      const cuda::Tuning tuning{.low_memory = cuda::Tuning::LowMemory::always};
       const TensorMap out = cuda::compute(problem, options, tuning);
       expect_meets_bar(out, exact, spec.logit_scale);
       expect_same_to_fp32_noise(out, three_pass, &exact);
@@ -554,7 +512,7 @@ TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
       ASSERT_GT(R, 0);
       EXPECT_TRUE(R == N || R % 128 == 0) << "row blocks are whole M tiles of the GEMM, or all rows";
       EXPECT_EQ(report.row_blocks, (N + R - 1) / R);
-      // The shapes the comment above promises (the tile's cost model, fused_runner.cu's backward_tile).
+      // The shapes the comment above promises (the tile's cost model, plan.cpp's backward_tile).
       const std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> slices_blocks =
           f32 ? std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>{{1000, {1, 1}}, {196, {1, 1}},
                                                                               {6000, {11, 2}}, {6004, {16, 3}}}

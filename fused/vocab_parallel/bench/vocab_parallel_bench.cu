@@ -74,13 +74,12 @@ double time_one_gpu(const Problem& p, const Options& options, int reps, std::str
   g.grad_x = grad_x.as<__nv_bfloat16>();
   g.grad_weight = grad_w.as<float>();
   g.grad_weight_bf16 = grad_w16.as<__nv_bfloat16>();
-  const Tuning tuning = tuning_for(H, options);
-  runner.run(d, &g, options, tuning);
+  runner.run(d, &g, options);
   schedule = runner.last_report().schedule.to_string();
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    runner.run(d, &g, options, tuning);  // ends synchronized (the row statistics on the host)
+    runner.run(d, &g, options);  // ends synchronized (the row statistics on the host)
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   return median(ms);

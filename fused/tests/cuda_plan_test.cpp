@@ -1,0 +1,158 @@
+// The cuda backend's plan (fused/cuda/plan.h), on the host: what it chooses for a device with and without the sm_90a
+// kernels, and that its workspace holds every region once, inside the budget, for many shapes and budgets. No GPU
+// needed: the runner only allocates and walks what this computes.
+#include "fused/cuda/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+namespace simpo::fused::cuda {
+namespace {
+
+const Shape published{.B = 16, .T = 1024, .H = 4096, .V = 128256};
+const DeviceFeatures hopper{.sm90_kernels = true}, other{.sm90_kernels = false};
+const GradientOutputs bf16_output{.grad_weight_bf16 = true}, f32_output{.grad_weight_f32 = true};
+
+// Every region inside the workspace, and no byte in two regions unless one says it shares the other's bytes.
+void expect_regions_disjoint(const StepPlan& plan) {
+  SCOPED_TRACE(plan.to_string());
+  ASSERT_FALSE(plan.regions.empty());
+  for (const Region& r : plan.regions) {
+    EXPECT_GE(r.offset, 0) << r.name;
+    EXPECT_GE(r.bytes, 0) << r.name;
+    EXPECT_LE(r.offset + r.bytes, plan.workspace_bytes) << r.name;
+    EXPECT_EQ(r.offset % 256, 0) << r.name << " is not 256-byte aligned";
+  }
+  for (std::size_t i = 0; i < plan.regions.size(); ++i)
+    for (std::size_t j = i + 1; j < plan.regions.size(); ++j) {
+      const Region &a = plan.regions[i], &b = plan.regions[j];
+      if (a.bytes == 0 || b.bytes == 0 || a.shares_with == b.name || b.shares_with == a.name) continue;
+      EXPECT_TRUE(a.offset + a.bytes <= b.offset || b.offset + b.bytes <= a.offset) << a.name << " overlaps " << b.name;
+    }
+}
+
+void expect_rows_covered(const StepPlan& plan, const Shape& s) {
+  std::vector<int> seen(static_cast<std::size_t>(s.N()), 0);
+  for (const Chunk& c : plan.schedule.chunks)
+    for (int i = 0; i < c.part_count; ++i)
+      for (std::int64_t r = c.parts[i].begin; r < c.parts[i].end; ++r) ++seen[static_cast<std::size_t>(r)];
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; })) << plan.to_string();
+}
+
+TEST(CudaPlan, PublishedStepOnHopper) {
+  const StepPlan plan = plan_step(published, Options{}, hopper, &bf16_output);
+  EXPECT_TRUE(plan.logits.promoted);
+  EXPECT_EQ(plan.logits.promotion_k, 256);
+  EXPECT_EQ(plan.schedule.mode, Mode::three_pass);
+  EXPECT_EQ(plan.grad_weight, StepPlan::GradWeight::hilo);
+  EXPECT_EQ(plan.accumulator_bytes, published.V * published.H * 2) << "lo of the hi/lo pair";
+  EXPECT_FALSE(plan.low_memory);
+  EXPECT_LE(plan.workspace_bytes, default_workspace_bytes);
+  expect_regions_disjoint(plan);
+  expect_rows_covered(plan, published);
+}
+
+TEST(CudaPlan, ForwardTakesItsStatisticsFromTheEpilogueInL2SizedChunks) {
+  Options forward;
+  forward.gradients = false;
+  const StepPlan plan = plan_step(published, forward, hopper, nullptr);
+  EXPECT_EQ(plan.schedule.mode, Mode::forward_only);
+  EXPECT_TRUE(plan.epilogue_statistics);
+  EXPECT_EQ(plan.kept, StepPlan::Kept::none);
+  EXPECT_EQ(plan.schedule.max_rows(), 4096) << "x of 4096 rows at H = 4096 is 32 MiB";
+  EXPECT_EQ(plan.schedule.bytes_per_row, statistics_tiles(published.V) * 16) << "no logits stored";
+  expect_regions_disjoint(plan);
+}
+
+TEST(CudaPlan, WithoutTheSm90KernelsCublasSlicesAndAnFp32Accumulator) {
+  const StepPlan plan = plan_step(published, Options{}, other, &bf16_output);
+  EXPECT_FALSE(plan.logits.promoted);
+  EXPECT_EQ(plan.logits.k_splits, 16) << "k = 4096 in slices of 256";
+  EXPECT_FALSE(plan.epilogue_statistics);
+  EXPECT_EQ(plan.kept, StepPlan::Kept::fp32);
+  EXPECT_EQ(plan.grad_weight, StepPlan::GradWeight::f32_own);
+  EXPECT_EQ(plan.accumulator_bytes, published.V * published.H * 4);
+  Options one_gemm;
+  one_gemm.logits_k_slice = 0;
+  EXPECT_EQ(logits_gemm(published.H, one_gemm, hopper).k_splits, 1);
+  EXPECT_FALSE(logits_gemm(published.H, one_gemm, hopper).promoted) << "logits_k_slice = 0: one cuBLAS GEMM anywhere";
+}
+
+TEST(CudaPlan, DistancesKeepTwoBytesPerLogitWhereVIsAMultipleOf8) {
+  Options distances;
+  distances.logit_distances = true;
+  const StepPlan plan = plan_step(published, distances, hopper, &bf16_output);
+  EXPECT_EQ(plan.kept, StepPlan::Kept::distances);
+  EXPECT_TRUE(plan.epilogue_statistics);
+  const std::int64_t tiles = statistics_tiles(published.V), ld_h = padded(published.H);
+  EXPECT_EQ(plan.schedule.bytes_per_row, published.V * 2 + std::max(ld_h * 4, tiles * 12) + ld_h * 2 + tiles * 4);
+  const Shape odd{.B = 4, .T = 64, .H = 96, .V = 300};  // V % 8 != 0: fp32 logits
+  EXPECT_EQ(plan_step(odd, distances, hopper, &bf16_output).kept, StepPlan::Kept::fp32);
+  EXPECT_EQ(plan_step(published, distances, other, &bf16_output).kept, StepPlan::Kept::fp32);
+}
+
+TEST(CudaPlan, SixtyFourMiBTakesTheLowMemorySchedule) {
+  Options small;
+  small.workspace_bytes = min_workspace_bytes;
+  for (const GradientOutputs* outputs : {&bf16_output, &f32_output}) {
+    const StepPlan plan = plan_step(published, small, hopper, outputs);
+    SCOPED_TRACE(plan.to_string());
+    EXPECT_TRUE(plan.low_memory);
+    EXPECT_EQ(plan.grad_weight, StepPlan::GradWeight::sliced);
+    EXPECT_EQ(plan.vocab_slice_columns % 192, 0);
+    EXPECT_EQ(plan.vocab_slices, (published.V + plan.vocab_slice_columns - 1) / plan.vocab_slice_columns);
+    EXPECT_LE(plan.workspace_bytes, small.workspace_bytes);
+    expect_regions_disjoint(plan);
+  }
+  // Without the epilogue statistics: the two_pass fallback.
+  const StepPlan fallback = plan_step(published, small, other, &bf16_output);
+  EXPECT_FALSE(fallback.low_memory);
+  EXPECT_EQ(fallback.schedule.mode, Mode::two_pass);
+}
+
+TEST(CudaPlan, ABudgetBelowOneRowIsAnInputErrorNamingTheBytes) {
+  Options tiny;
+  tiny.workspace_bytes = 1 << 20;
+  try {
+    plan_step(published, tiny, other, &bf16_output);
+    FAIL() << "planned in 1 MiB";
+  } catch (const InputError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("1048576 bytes cannot hold one token row"), std::string::npos) << message;
+  }
+}
+
+// Many shapes, budgets, devices and outputs: whatever the plan chooses stays inside the budget, holds each region
+// once and covers every row once.
+TEST(CudaPlan, EveryPlanFitsItsBudgetAndHoldsEachRegionOnce) {
+  int plans = 0;
+  for (const Shape& s : {Shape{.B = 2, .T = 7, .H = 31, .V = 123}, Shape{.B = 4, .T = 64, .H = 96, .V = 300},
+                         Shape{.B = 4, .T = 300, .H = 64, .V = 6000}, Shape{.B = 8, .T = 1024, .H = 4096, .V = 32000},
+                         published})
+    for (const std::int64_t mib : {1, 16, 64, 256, 2048})
+      for (const DeviceFeatures& device : {hopper, other})
+        for (const GradientOutputs* outputs : {&bf16_output, &f32_output, static_cast<const GradientOutputs*>(nullptr)})
+          for (const bool distances : {false, true}) {
+            Options options;
+            options.workspace_bytes = mib << 20;
+            options.gradients = outputs != nullptr;
+            options.logit_distances = distances;
+            StepPlan plan;
+            try {
+              plan = plan_step(s, options, device, outputs);
+            } catch (const InputError&) {
+              continue;  // a budget below one row (the test above checks the message)
+            }
+            SCOPED_TRACE(s.to_string() + ", " + std::to_string(mib) + " MiB: " + plan.to_string());
+            EXPECT_LE(plan.workspace_bytes, options.workspace_bytes);
+            expect_regions_disjoint(plan);
+            if (!plan.low_memory) expect_rows_covered(plan, s);
+            ++plans;
+          }
+  EXPECT_GT(plans, 150);
+}
+
+}  // namespace
+}  // namespace simpo::fused::cuda
