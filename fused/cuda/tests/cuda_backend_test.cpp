@@ -405,22 +405,25 @@ TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
 
 // ---- schedules and budgets ----
 
-// Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows of ~293 KiB) needs ~147 MiB plus
-// the GEMM scratch: 64 and 100 MiB run the two_pass fallback, 200 MiB one pair per chunk, 1 GiB one chunk. All must meet the bar, and the
-// runner must never allocate past the budget.
+// Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows) needs ~147 MiB with fp32 logits and
+// ~51 MiB with distances, plus the GEMM scratch: with fp32 logits 64 and 100 MiB run the low-memory schedule (sm_90)
+// or the two_pass fallback, 200 MiB one pair per chunk, 1 GiB one chunk; with distances every budget holds a pair.
+// All must meet the bar, and the runner must never allocate past the budget.
 TEST(CudaBackendSchedules, WorkspaceBudgetsFromTheMinimumUp) {
   SKIP_WITHOUT_DEVICE();
   CaseSpec spec = spec_of({.B = 4, .T = 256, .H = 64, .V = 50000}, 2.0, 44);
   spec.hp.label_smoothing = 0.1;
   const Problem problem = generate(spec);
   const TensorMap exact = reference::compute(problem);
-  for (std::int64_t mib : {64, 100, 200, 1024}) {
-    SCOPED_TRACE("workspace " + std::to_string(mib) + " MiB");
-    Options options = cuda_options();
-    options.workspace_bytes = mib << 20;
-    const TensorMap out = cuda::compute(problem, options);
-    expect_meets_bar(out, exact, spec.logit_scale);
-  }
+  for (const bool distances : {true, false})
+    for (std::int64_t mib : {64, 100, 200, 1024}) {
+      SCOPED_TRACE("workspace " + std::to_string(mib) + " MiB" + (distances ? ", distances" : ", fp32 logits"));
+      Options options = cuda_options();
+      options.workspace_bytes = mib << 20;
+      options.logit_distances = distances;
+      const TensorMap out = cuda::compute(problem, options);
+      expect_meets_bar(out, exact, spec.logit_scale);
+    }
 }
 
 TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
@@ -434,27 +437,31 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
   cuda::DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();
   gradients.grad_weight = grad_w.as<float>();
-  for (std::int64_t mib : {64, 100, 200, 1024}) {
-    for (bool with_gradients : {true, false}) {
-      Options options = cuda_options();
-      options.workspace_bytes = mib << 20;
-      runner.run(device, with_gradients ? &gradients : nullptr, options);
-      const auto& report = runner.last_report();
-      SCOPED_TRACE(std::to_string(mib) + " MiB: " + report.schedule.to_string());
-      EXPECT_LE(report.workspace_bytes, options.workspace_bytes);
-      EXPECT_EQ(report.gemm_fallbacks, 0) << "cuBLASLt refused a padded, 16-byte aligned GEMM";
-      // Below one pair's rows, where the epilogue statistics run: the low-memory schedule (its statistics pass
-      // is forward_only; the forward alone stores no logits either), else the two_pass fallback.
-      const bool low_memory = mib < 200 && cuda::promoted_stats_available();
-      EXPECT_EQ(report.vocab_slice_columns > 0, with_gradients && low_memory);
-      if (with_gradients) {
-        EXPECT_EQ(report.schedule.mode,
-                  mib >= 200 ? Mode::three_pass : low_memory ? Mode::forward_only : Mode::two_pass);
-      } else if (low_memory) {
-        EXPECT_EQ(report.schedule.bytes_per_row, cuda::statistics_tiles(V) * 16) << "logits stored";
+  for (const bool distances : {true, false})
+    for (std::int64_t mib : {64, 100, 200, 1024}) {
+      for (bool with_gradients : {true, false}) {
+        Options options = cuda_options();
+        options.workspace_bytes = mib << 20;
+        options.logit_distances = distances;
+        runner.run(device, with_gradients ? &gradients : nullptr, options);
+        const auto& report = runner.last_report();
+        SCOPED_TRACE(std::to_string(mib) + " MiB: " + report.to_string());
+        EXPECT_LE(report.workspace_bytes, options.workspace_bytes);
+        EXPECT_EQ(report.gemm_fallbacks, 0) << "cuBLASLt refused a padded, 16-byte aligned GEMM";
+        // One pair (512 rows) fits from 200 MiB with fp32 logits (~294 KiB a row), and from 64 MiB with distances
+        // (~102 KiB). Below it, where the epilogue statistics run: the low-memory schedule (its statistics pass is
+        // forward_only; the forward alone stores no logits either), else the two_pass fallback.
+        const bool stats = cuda::promoted_stats_available();
+        const bool pair_fits = mib >= 200 || (distances && stats);
+        const bool low_memory = !pair_fits && stats;
+        EXPECT_EQ(report.vocab_slice_columns > 0, with_gradients && low_memory);
+        if (with_gradients) {
+          EXPECT_EQ(report.schedule.mode, pair_fits ? Mode::three_pass : low_memory ? Mode::forward_only : Mode::two_pass);
+        } else if (stats) {
+          EXPECT_EQ(report.schedule.bytes_per_row, cuda::statistics_tiles(V) * 16) << "logits stored";
+        }
       }
     }
-  }
 }
 
 // The low-memory schedule (Tuning::low_memory): statistics from the epilogue, then the backward a tile (a
