@@ -339,15 +339,16 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
 }
 
 struct Judge {
+  Problem problem;  // kept for the bf16_logits profile's logit pass (ProblemScales::prepare_for)
   TensorMap exact;
-  sv::ProblemScales scales;
-  Judge(const Problem& p, const std::map<std::string, WireTensor>& exact_wire) : exact(tensors_from(exact_wire)) {
+  mutable sv::ProblemScales scales;
+  Judge(const Problem& p, const std::map<std::string, WireTensor>& exact_wire) : problem(p), exact(tensors_from(exact_wire)) {
     nb::gil_scoped_release release;
     scales = sv::ProblemScales::of(p, &exact);
   }
   // The reference computed here (--reference auto), its dz pass handing the error model each row's off-target
   // softmax: the scales then cost O(N) instead of recomputing fp32 logits (O(N H V)), as CaseRun does.
-  Judge(const Problem& p, bool gradients) {
+  Judge(const Problem& p, bool gradients) : problem(p) {
     nb::gil_scoped_release release;
     simpo::reference::Options o;
     o.gradients = gradients;
@@ -364,7 +365,9 @@ struct Judge {
     sv::Report r;
     {
       nb::gil_scoped_release release;
-      r = sv::compare(scales, exact, c, profile_from(profile, rtol, atol));
+      const sv::Profile judged = profile_from(profile, rtol, atol);
+      scales.prepare_for(judged, problem, exact);
+      r = sv::compare(scales, exact, c, judged);
     }
     return report_of(r);
   }

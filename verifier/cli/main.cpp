@@ -52,9 +52,17 @@ void add_reference_option(CLI::App* app) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 }
 
+// `--capabilities FILE.json` wherever --impl is taken: the declaration the implementation is held to (SPEC
+// "External implementations"), read after parsing so a malformed file is exit 2 naming the key.
+std::string capabilities_path;
 void add_timeout_option(CLI::App* app, sv::ImplementationOptions& options) {
   app->add_option("--case-timeout", options.case_timeout_s,
                   "exec: seconds one case may take before the program is killed and the case fails (default 120)");
+  app->add_option("--capabilities", capabilities_path,
+                  "FILE.json: what the implementation declares it supports (keys dtypes, bias, label_smoothing, "
+                  "empty_sequence, invalid_inputs, max_shape, deterministic; SPEC \"External implementations\"): cases "
+                  "outside it are excluded and counted, never failures. For one-shot exec: programs and any --impl; a "
+                  "persistent exec: program is otherwise asked through the capabilities handshake");
 }
 
 void add_threads_option(CLI::App* app, int& threads) {
@@ -170,8 +178,10 @@ struct ProfileArgs {
 };
 
 void add_profile_options(CLI::App* app, ProfileArgs& p) {
-  app->add_option("--profile", p.profile, "strict (bounds derived from dtypes and shapes) or peer (atol = rtol = 5e-3)")
-      ->check(CLI::IsMember({"strict", "peer"}));
+  app->add_option("--profile", p.profile,
+                  "strict (bounds derived from dtypes and shapes, fp32 logits), bf16_logits (the same derivation for logits "
+                  "rounded to bf16 before the softmax, as TRL's eager loss and Liger do) or peer (atol = rtol = 5e-3)")
+      ->check(CLI::IsMember({"strict", "bf16_logits", "peer"}));
   p.rtol_option = app->add_option("--rtol", p.rtol, "user tolerance: |candidate - exact| <= atol + rtol |exact| (replaces --profile)");
   p.atol_option = app->add_option("--atol", p.atol, "user tolerance, see --rtol");
 }
@@ -193,7 +203,8 @@ int run_check(const CheckArgs& a) {
   simpo::reference::OffTargetSoftmax off_target;
   const simpo::TensorMap exact = sv::reference_outputs_for(problem, !a.forward_only, a.reference_outputs, progress, &off_target);
   if (progress) std::fprintf(stderr, "\n");
-  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, off_target.norm.empty() ? nullptr : &off_target);
+  sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, off_target.norm.empty() ? nullptr : &off_target);
+  scales.prepare_for(profile, problem, exact);
   bool all_passed = true;
   std::size_t passed_count = 0;
   nlohmann::json documents = nlohmann::json::array();
@@ -294,7 +305,8 @@ int run_case(const CaseArgs& a) {
                seconds_since(start));
 
   start = std::chrono::steady_clock::now();
-  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, a.no_grad ? nullptr : &off_target);
+  sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, a.no_grad ? nullptr : &off_target);
+  scales.prepare_for(profile, problem, exact);
   const sv::Report report = sv::compare(scales, exact, candidate, profile);
   std::fprintf(stderr, "judged in %.3f s\n", seconds_since(start));
   if (a.json) {
@@ -355,7 +367,7 @@ struct SweepArgs {
   std::int64_t cases = 0;
   double time_budget = 0;
   std::string impl = "auto", counterexample_dir = "simpo-counterexamples";
-  bool stop = false, no_shrink = false;
+  bool stop = false, no_shrink = false, all_profiles = false;
   int threads = 0;
   sv::ImplementationOptions impl_options;
   ProfileArgs profile;
@@ -373,6 +385,7 @@ int run_sweep_command(const SweepArgs& a) {
   options.profile = a.profile.resolve();
   options.counterexample_dir = a.counterexample_dir;
   options.threads = a.threads;
+  if (a.all_profiles) options.also_profiles = sv::named_profiles();
   options.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("sweep", c, f, s); };
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
@@ -479,6 +492,8 @@ int main(int argc, char** argv) {
   s->add_option("--counterexample-dir", sweep.counterexample_dir, "where failing cases' inputs files go");
   s->add_flag("--stop-at-first-failure", sweep.stop);
   s->add_flag("--no-shrink", sweep.no_shrink, "report failing cases as found");
+  s->add_flag("--all-profiles", sweep.all_profiles,
+              "also judge every case's outputs under every named profile (strict, bf16_logits, peer): one row per profile");
   add_profile_options(s, sweep.profile);
 
   try {
@@ -497,6 +512,11 @@ int main(int argc, char** argv) {
     const simpo::reference::Device reference = simpo::reference::device_from_name(reference_device);
     if (reference == simpo::reference::Device::cuda) simpo::reference::resolve(reference);
     simpo::reference::set_default_device(reference);
+    if (!capabilities_path.empty()) {
+      const sv::Capabilities declared = sv::capabilities_from_file(capabilities_path);
+      for (sv::ImplementationOptions* o : {&job.impl_options, &compute.impl_options, &cs.impl_options, &sweep.impl_options})
+        o->capabilities = declared;
+    }
     if (*c) return run_compute(compute);
     if (*k) return run_check(check);
     if (*g) return run_case(cs);
