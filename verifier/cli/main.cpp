@@ -390,7 +390,7 @@ int run_sweep_command(const SweepArgs& a) {
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
   std::cout << sv::format_sweep(r, impl.name);
-  std::printf("worst strict margin by tensor (error / bound, < 1 passes):\n");
+  std::printf("worst %s margin by tensor (error / bound, < 1 passes):\n", options.profile.name().c_str());
   for (const auto& [name, m] : r.worst_margin) std::printf("  %-22s %.3f\n", name.c_str(), m);
   std::printf("%lld passed, %lld failed\n", static_cast<long long>(total(r.passed)), static_cast<long long>(total(r.failed)));
   return r.failures.empty() ? 0 : 1;
