@@ -6,6 +6,7 @@
 #include "verifier/check.h"
 #include "verifier/error_model.h"
 #include "verifier/implementation.h"
+#include "verifier/peer_report.h"
 #include "verifier/properties.h"
 
 #include <CLI/CLI.hpp>
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <iostream>
 #include <sstream>
@@ -396,6 +398,47 @@ int run_sweep_command(const SweepArgs& a) {
   return r.failures.empty() ? 0 : 1;
 }
 
+// ---- report ----
+struct ReportArgs {
+  std::vector<std::string> impls;
+  std::vector<std::string> fixed;  // "B,T,H,V"
+  std::uint64_t seed = sv::SweepOptions{}.seed;
+  std::int64_t cases = 200;
+  std::string out = "simpo-peer-report";
+  bool no_shrink = false;
+  int threads = 0;
+  sv::ImplementationOptions impl_options;
+};
+
+int run_report(const ReportArgs& a) {
+  if (a.cases <= 0) throw InputError("report: --cases must be > 0");
+  sv::PeerReportOptions options;
+  options.sweep.seed = a.seed;
+  options.sweep.max_cases = a.cases;
+  options.sweep.time_budget_s = 0;
+  options.sweep.threads = a.threads;
+  options.shrink = !a.no_shrink;
+  for (const std::string& f : a.fixed) {
+    simpo::Shape s;
+    if (std::sscanf(f.c_str(), "%ld,%ld,%ld,%ld", &s.B, &s.T, &s.H, &s.V) != 4)
+      throw InputError("--fixed \"" + f + "\": expected B,T,H,V (e.g. 2,1024,4096,128256)");
+    simpo::validate_shape(s);
+    options.fixed.push_back(s);
+  }
+  std::vector<sv::Implementation> impls;
+  for (const std::string& name : a.impls) impls.push_back(sv::implementation_by_name(name, a.impl_options));
+  options.sweep.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("report", c, f, s); };
+  const auto results = sv::run_peer_report(impls, options);
+  std::fprintf(stderr, "\n");
+  const std::string markdown = sv::format_peer_markdown(results, options);
+  simpo::check_writable(a.out + ".md", {});
+  std::ofstream(a.out + ".md") << markdown;
+  std::ofstream(a.out + ".json") << sv::format_peer_json(results, options);
+  std::cout << markdown;
+  std::fprintf(stderr, "wrote %s.md and %s.json\n", a.out.c_str(), a.out.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -496,6 +539,20 @@ int main(int argc, char** argv) {
               "also judge every case's outputs under every named profile (strict, bf16_logits, peer): one row per profile");
   add_profile_options(s, sweep.profile);
 
+  ReportArgs report;
+  auto* rp = app.add_subcommand("report", "the peer report: several implementations on the same case stream, judged under every "
+                                          "profile (strict, bf16_logits, peer), with exclusions, determinism, time per case and "
+                                          "each first disagreement shrunk; markdown and JSON");
+  rp->add_option("--impl", report.impls, "an implementation (repeat it): cpu, cuda, exec:COMMAND, ...")->required();
+  add_timeout_option(rp, report.impl_options);
+  add_reference_option(rp);
+  rp->add_option("--seed", report.seed, "sweep seed (the same stream for every implementation)");
+  rp->add_option("--cases", report.cases, "cases per implementation (default 200)");
+  rp->add_option("--fixed", report.fixed, "B,T,H,V: also judge this shape once (repeat it; the published case is 2,1024,4096,128256)");
+  rp->add_option("--out", report.out, "writes OUT.md and OUT.json (default simpo-peer-report)");
+  rp->add_flag("--no-shrink", report.no_shrink, "report first failures as found");
+  add_threads_option(rp, report.threads);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -514,7 +571,7 @@ int main(int argc, char** argv) {
     simpo::reference::set_default_device(reference);
     if (!capabilities_path.empty()) {
       const sv::Capabilities declared = sv::capabilities_from_file(capabilities_path);
-      for (sv::ImplementationOptions* o : {&job.impl_options, &compute.impl_options, &cs.impl_options, &sweep.impl_options})
+      for (sv::ImplementationOptions* o : {&job.impl_options, &compute.impl_options, &cs.impl_options, &sweep.impl_options, &report.impl_options})
         o->capabilities = declared;
     }
     if (*c) return run_compute(compute);
@@ -538,6 +595,7 @@ int main(int argc, char** argv) {
     }
     if (*m) return run_mutants(mutants);
     if (*s) return run_sweep_command(sweep);
+    if (*rp) return run_report(report);
     return run_main_job(job);
   } catch (const InputError& e) {
     std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
