@@ -208,11 +208,13 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
                bool shrink, const std::string& counterexample_dir, bool stop_at_first_failure,
                const std::string& profile_name, const std::vector<std::string>& also_judge, int shrink_attempts,
                double shrink_seconds, const std::vector<std::array<std::int64_t, 4>>& shapes,
-               int hyperparameter_sets) {
+               int hyperparameter_sets, const std::string& capabilities_json) {
   const sv::Profile profile = sv::profile_from_name(profile_name);
   const std::string profile_flags = profile.kind == sv::ProfileKind::strict ? "" : " --profile " + profile.name();
   auto record = also_judge.empty() ? nullptr : std::make_shared<Recorded>();
-  const sv::Implementation impl = python_implementation(std::move(fn), name, record);
+  sv::Implementation impl = python_implementation(std::move(fn), name, record);
+  if (!capabilities_json.empty())  // InputError naming the key for a malformed declaration
+    impl.capabilities = [declared = sv::capabilities_from_json(capabilities_json, "sweep(capabilities=...)")] { return declared; };
   sv::SweepOptions options;
   options.seed = seed;
   options.max_cases = cases;
@@ -241,6 +243,19 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
     d["passed"] = r.passed;
     d["failed"] = r.failed;
     d["worst_margin"] = r.worst_margin;
+    d["declared"] = r.declared.to_json();
+    d["excluded"] = r.excluded;
+    nb::dict spread;
+    for (const auto& [tensor, f] : r.spread) {
+      nb::dict s;
+      s["cases_compared"] = f.cases_compared;
+      s["cases_differing"] = f.cases_differing;
+      s["max_elements_differing"] = f.max_elements_differing;
+      s["max_abs"] = f.max_abs;
+      s["max_rel"] = f.max_rel;
+      spread[tensor.c_str()] = s;
+    }
+    d["spread"] = spread;
     for (auto& ce : r.failures) {
       nb::dict f;
       f["case_index"] = ce.case_index;
@@ -514,5 +529,5 @@ NB_MODULE(_core, m) {
 
   m.def("sweep", &sweep, "fn"_a, "name"_a, "seed"_a, "cases"_a, "time_budget_s"_a, "shrink"_a,
         "counterexample_dir"_a, "stop_at_first_failure"_a, "profile"_a, "also_judge"_a, "shrink_attempts"_a, "shrink_seconds"_a,
-        "shapes"_a, "hyperparameter_sets"_a);
+        "shapes"_a, "hyperparameter_sets"_a, "capabilities"_a = "");
 }
