@@ -22,15 +22,17 @@ PROFILES = ("strict", "bf16_logits", "peer")
 
 
 def peer_report(targets, cases=200, seed=20260101, arrays="numpy", device=None, shapes=(), hyperparameter_sets=0,
-                counterexample_dir="", shrink_seconds=30.0) -> dict:
+                counterexample_dir="", shrink_seconds=30.0, time_budget_s=0.0) -> dict:
     """{"seed", "cases", "implementations": [SweepReport.to_dict() + seconds per case]} for each target."""
-    out = {"seed": seed, "cases": cases, "implementations": []}
+    out = {"seed": seed, "cases": cases, "shapes": [list(s) for s in shapes], "hyperparameter_sets": hyperparameter_sets,
+           "implementations": []}
     for target in targets:
         fn = load_callable(target) if isinstance(target, str) else target
         t0 = time.time()
         r = sweep(fn, cases=cases, seed=seed, profile="strict", also_judge=PROFILES[1:], arrays=arrays, device=device,
                   counterexample_dir=counterexample_dir, shapes=shapes, hyperparameter_sets=hyperparameter_sets,
-                  shrink_seconds=shrink_seconds, name=target if isinstance(target, str) else None)
+                  shrink_seconds=shrink_seconds, time_budget_s=time_budget_s,
+                  name=target if isinstance(target, str) else None)
         d = r.to_dict()
         d["wall_seconds"] = time.time() - t0
         d["seconds_per_case"] = r.seconds / max(r.cases, 1)
@@ -39,7 +41,8 @@ def peer_report(targets, cases=200, seed=20260101, arrays="numpy", device=None, 
 
 
 def markdown(doc: dict) -> str:
-    lines = [f"## Peer report (seed {doc['seed']}, {doc['cases']} cases, the same stream for every implementation)", "",
+    shapes = f", shapes {doc['shapes']} x {doc['hyperparameter_sets']} hyperparameter sets" if doc.get("shapes") else ""
+    lines = [f"## Peer report (seed {doc['seed']}, {doc['cases']} cases{shapes}, the same stream for every implementation)", "",
              "| implementation | declared | excluded | " + " | ".join(f"{p} passed / failed" for p in PROFILES)
              + " | other properties failed | determinism | s per case |",
              "|---" * (6 + len(PROFILES)) + "|"]
@@ -84,11 +87,21 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="torch device for --torch")
     p.add_argument("--out", default="simpo-peer-report", help="writes OUT.md and OUT.json")
     p.add_argument("--counterexample-dir", default="", help="where shrunk counterexamples' inputs files go")
+    p.add_argument("--shapes", action="append", default=[], metavar="B,T,H,V",
+                   help="every case's shape is one of these (repeat it): one compile per shape for torch.compile/Triton peers")
+    p.add_argument("--hyperparameter-sets", type=int, default=0, help="> 0: that many fixed hyperparameter draws per shape")
+    p.add_argument("--budget", type=float, default=0.0, help="seconds of cases per implementation (0: --cases decides)")
+    p.add_argument("--shrink-seconds", type=float, default=30.0, help="per shrunk counterexample")
     a = p.parse_args(argv)
     if a.cases <= 0:
         p.error("--cases must be > 0")
+    try:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes]
+    except ValueError:
+        p.error(f"--shapes: expected B,T,H,V integers, got {a.shapes}")
     doc = peer_report(a.targets, cases=a.cases, seed=a.seed, arrays="torch" if a.torch else "numpy", device=a.device,
-                      counterexample_dir=a.counterexample_dir)
+                      counterexample_dir=a.counterexample_dir, shapes=shapes, hyperparameter_sets=a.hyperparameter_sets,
+                      shrink_seconds=a.shrink_seconds, time_budget_s=a.budget)
     text = markdown(doc)
     with open(a.out + ".md", "w") as f:
         f.write(text)
