@@ -436,35 +436,51 @@ StrictBounds derived_bounds(const ProblemScales& scales, const std::string& name
 // ---- the bf16_logits profile (README "The bf16_logits profile") ----
 //
 // The candidate computes fp32 logits z (strict's errors), then rounds each to bf16: z_v (1 + eps_v), |eps_v| <= u
-// = 2^-8, rms <= u / sqrt(3) = sigma, independent across distinct logits. To first order, with p = softmax(z):
-//   token log-prob   dl = eps_t z_t (1 - p_t) - sum_{v != t} p_v eps_v z_v
-//                    worst |dl| <= u (|z_t| (1 - p_t) + sum_{v != t} p_v |z_v|),  var <= sigma^2 (z_t^2 (1 - p_t)^2 + sum_{v != t} p_v^2 z_v^2)
-//   softmax          dp_v = p_v (eps_v z_v - sum_u p_u eps_u z_u),  E ||dp||^2 <= 2 sigma^2 A^2,  A^2 = sum_v p_v^2 z_v^2
-// Beyond first order, exp(d) - 1 <= d expm1(D) / D for |d| <= D: each row's terms are scaled by
-// expm1(2 u zmax) / (2 u zmax), zmax = max_v |z_v| (at logit scale 30, zmax ~ 120: 1.6x; at scale 2, 1.03x).
-// A sequence average of n tokens: min(worst, scalar_safety rms) with rms = sqrt(sum var) / n, the worst case
-// capping the probabilistic estimate where few roundings decide it. The gradients' dz = k (onehot - p) move by
-// k dp: rms ||sum_v k dp_v w_v|| <= 2 sigma |k| A W per row (the common term sum_u p_u eps_u z_u counted apart:
-// (a + b)^2 <= 2 a^2 + 2 b^2), grad_weight and grad_bias sqrt(2) sigma |k| A (||x_r||), rows independent. And k
-// itself moves: s_i = beta (c_i - r_i) - gamma by beta (e_c + e_r), g by sigmoid(s) sigmoid(-s) times that
-// (strict's dk, with the bf16 log-prob error in place of fp32's).
+// = 2^-8, variance s_v^2 <= sigma^2 = u^2 / 3, independent across distinct logits. To first order, with p =
+// softmax(z) and e_v = eps_v z_v:
+//   token log-prob  dl = e_t (1 - p_t) - sum_{v != t} p_v e_v
+//                   worst |dl| <= u (|z_t| (1 - p_t) + sum_{v != t} p_v |z_v|),  var <= sigma^2 (z_t^2 (1 - p_t)^2 + sum_{v != t} p_v^2 z_v^2)
+//   softmax         dp_v = p_v (e_v - S), S = sum_u p_u e_u = p_v (1 - p_v) e_v - p_v sum_{u != v} p_u e_u
+//                   E ||dp||^2 <= sigma^2 B^2,  B^2 = sum_v p_v^2 (z_v^2 (1 - p_v)^2 + sum_{u != v} p_u^2 z_u^2)
+//   grad_x row      k W^T dp = k sum_v e_v p_v (w_v - g), g = sum_u p_u w_u: independent terms, so
+//                   E ||.||^2 <= sigma^2 k^2 C^2,  C^2 = sum_v p_v^2 z_v^2 ||w_v - g||^2
+// Each form keeps the cancellation of a peaked softmax (p_m near 1: dp_m ~ p_m (1 - p_m) e_m, w_m ~ g); bounding
+// |dp| by |p z| instead cost 40x at logit scale 30. Beyond first order, |exp(d) - 1| <= |d| expm1(D) / D for |d|
+// <= D: each row's terms are scaled by expm1(2 u zmax) / (2 u zmax), zmax = max_v |z_v|. A sequence average of n
+// tokens: min(worst, scalar_safety rms), rms = sqrt(sum var) / n, the worst case capping the probabilistic
+// estimate where few roundings decide it. grad_weight and grad_bias: rows independent, sigma sqrt(sum_r (k B
+// ||x_r||)^2) and sigma sqrt(sum_r (k B)^2). k itself moves: s_i = beta (c_i - r_i) - gamma by beta (e_c + e_r), g
+// by sigmoid(s) sigmoid(-s) times that (strict's dk, with the bf16 log-prob error in place of fp32's).
 void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact) {
   if (logit_rounding) return;
   LogitRounding lr;
   const Shape& sh = p.shape;
   const double u = 0x1.0p-8, sigma = u / std::sqrt(3.0);
-  std::vector<double> worst_l(static_cast<std::size_t>(sh.N()), 0.0), var_l(worst_l.size(), 0.0), a_row(worst_l.size(), 0.0);
+  const bool gradients = row_k.size() == static_cast<std::size_t>(sh.N());
+  std::vector<double> worst_l(static_cast<std::size_t>(sh.N()), 0.0), var_l(worst_l.size(), 0.0), b_row(worst_l.size(), 0.0),
+      c_row(worst_l.size(), 0.0);
   double chosen_abs = 0, chosen_sq = 0, rejected_abs = 0, rejected_sq = 0;  // logits means: sum |z|, sum z^2 per half
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   Matrix w(sh.V, sh.H);
   for (std::int64_t i = 0; i < sh.V * sh.H; ++i) w.data()[i] = static_cast<float>(p.weight[static_cast<std::size_t>(i)]);
-  const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(sh.N(), (std::int64_t{64} << 20) / (4 * sh.V)));
+  // ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2, in double (w ~ g for a peaked softmax: fp32 would cancel).
+  MatrixD wd;
+  Eigen::VectorXd w_sq;
+  if (gradients) {
+    wd = w.cast<double>();
+    w_sq = wd.rowwise().squaredNorm();
+  }
+  const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(sh.N(), (std::int64_t{32} << 20) / (8 * sh.V)));
   std::vector<double> row(static_cast<std::size_t>(sh.V));
   for (std::int64_t r0 = 0; r0 < sh.N(); r0 += rows) {
     const std::int64_t m = std::min(rows, sh.N() - r0);
     Matrix x(m, sh.H);
     for (std::int64_t i = 0; i < m * sh.H; ++i) x.data()[i] = static_cast<float>(p.x[static_cast<std::size_t>(r0 * sh.H + i)]);
     const Matrix z = x * w.transpose();
+    MatrixD probs = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // softmax of completion rows
+    MatrixD pz_sq = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // (p_v z_v)^2
+    std::vector<double> nonlinear_of(static_cast<std::size_t>(m), 1.0);
     for (std::int64_t i = 0; i < m; ++i) {
       const std::int64_t r = r0 + i;
       double zmax = -INFINITY, zabs_max = 0, abs_sum = 0, sq_sum = 0;
@@ -483,21 +499,42 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
       double sum = 0;
       for (double zv : row) sum += std::exp(zv - zmax);
       const double lse = zmax + std::log(sum);
-      double off_abs = 0, off_sq = 0, a_sq = 0;
+      // a_sq = sum p^2 z^2, p_sq = ||p||^2, own = sum p^2 z^2 (1 - p)^2, own4 = sum p^4 z^2: B^2 = own + p_sq a_sq - own4
+      double off_abs = 0, off_sq = 0, a_sq = 0, p_sq = 0, own = 0, own4 = 0;
       for (std::int64_t v = 0; v < sh.V; ++v) {
         const double zv = row[static_cast<std::size_t>(v)], pv = std::exp(zv - lse);
-        a_sq += pv * pv * zv * zv;
+        const double q = pv * pv * zv * zv;
+        a_sq += q;
+        p_sq += pv * pv;
+        own += q * (1 - pv) * (1 - pv);
+        own4 += q * pv * pv;
+        if (gradients) {
+          probs(i, v) = pv;
+          pz_sq(i, v) = q;
+        }
         if (v == target) continue;
         off_abs += pv * std::fabs(zv);
-        off_sq += pv * pv * zv * zv;
+        off_sq += q;
       }
       const double zt = row[static_cast<std::size_t>(target)], pt = std::exp(zt - lse);
       const double D = 2 * u * zabs_max;
       const double nonlinear = D > 0 ? std::expm1(D) / D : 1.0;
+      nonlinear_of[static_cast<std::size_t>(i)] = nonlinear;
       const std::size_t ri = static_cast<std::size_t>(r);
       worst_l[ri] = nonlinear * u * (std::fabs(zt) * (1 - pt) + off_abs);
       var_l[ri] = nonlinear * nonlinear * sigma * sigma * (zt * zt * (1 - pt) * (1 - pt) + off_sq);
-      a_row[ri] = nonlinear * std::sqrt(a_sq);
+      b_row[ri] = nonlinear * std::sqrt(std::max(0.0, own + p_sq * a_sq - own4));
+    }
+    if (gradients) {  // C^2 = sum_v (p_v z_v)^2 ||w_v - g||^2, g = P W: two products of the chunk
+      const MatrixD g = probs * wd;                // m x H
+      const MatrixD wg = g * wd.transpose();       // m x V: w_v . g
+      const Eigen::VectorXd g_sq = g.rowwise().squaredNorm();
+      for (std::int64_t i = 0; i < m; ++i) {
+        double c_sq = 0;
+        for (std::int64_t v = 0; v < sh.V; ++v)
+          if (pz_sq(i, v) > 0) c_sq += pz_sq(i, v) * std::max(0.0, w_sq(v) - 2 * wg(i, v) + g_sq(i));
+        c_row[static_cast<std::size_t>(r0 + i)] = nonlinear_of[static_cast<std::size_t>(i)] * std::sqrt(c_sq);
+      }
     }
   }
   const double PTV = static_cast<double>(sh.P()) * static_cast<double>(sh.T) * static_cast<double>(sh.V);
@@ -533,8 +570,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
     lr.loss_preference += hp.beta * (e_avg[static_cast<std::size_t>(i)] + e_avg[static_cast<std::size_t>(P + i)]) / static_cast<double>(P);
 
   // Gradients: only with the exact log-probs (k) and gradients to judge.
-  if (exact.count(output_name::chosen_logps) && exact.count(output_name::rejected_logps) && exact.count(output_name::grad_x) &&
-      row_k.size() == static_cast<std::size_t>(sh.N())) {
+  if (gradients && exact.count(output_name::chosen_logps) && exact.count(output_name::rejected_logps) && P > 0) {
     const Tensor& c = exact.at(output_name::chosen_logps);
     const Tensor& rj = exact.at(output_name::rejected_logps);
     lr.row_grad_x.assign(static_cast<std::size_t>(sh.N()), 0.0);
@@ -553,26 +589,26 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
       for (std::int64_t t = 0; t < sh.T; ++t) {
         if (!p.is_completion(b, t)) continue;
         const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
-        const double ka = row_k[r] * a_row[r];
+        const double kb = row_k[r] * b_row[r], kc = row_k[r] * c_row[r];
         double xn_sq = 0;
         for (std::int64_t h = 0; h < sh.H; ++h) {
           const double xv = static_cast<float>(p.x[r * static_cast<std::size_t>(sh.H) + static_cast<std::size_t>(h)]);
           xn_sq += xv * xv;
         }
-        lr.row_grad_x[r] = 2 * sigma * ka * W;
+        lr.row_grad_x[r] = sigma * kc;
         lr.row_k_error[r] = 2 * dk * W;
-        gx_sq += ka * ka;
-        gw_sq += ka * ka * xn_sq;
-        gb_sq += ka * ka;
+        gx_sq += kc * kc;
+        gw_sq += kb * kb * xn_sq;
+        gb_sq += kb * kb;
         dk_sq += dk * dk;
         dk_x_seq += dk * std::sqrt(xn_sq);
       }
       dk_x_sq += dk_x_seq * dk_x_seq;
       dk_b_sq += (static_cast<double>(nb) * dk) * (static_cast<double>(nb) * dk);
     }
-    lr.grad_x = 2 * sigma * std::sqrt(gx_sq) * W;
-    lr.grad_weight = std::sqrt(2.0) * sigma * std::sqrt(gw_sq);
-    lr.grad_bias = std::sqrt(2.0) * sigma * std::sqrt(gb_sq);
+    lr.grad_x = sigma * std::sqrt(gx_sq);
+    lr.grad_weight = sigma * std::sqrt(gw_sq);
+    lr.grad_bias = sigma * std::sqrt(gb_sq);
     lr.k_error_grad_x = 2 * std::sqrt(dk_sq) * W;
     lr.k_error_grad_weight = std::sqrt(2.0) * std::sqrt(dk_x_sq);
     lr.k_error_grad_bias = std::sqrt(2.0) * std::sqrt(dk_b_sq);

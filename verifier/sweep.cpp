@@ -193,7 +193,10 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
       (o.skipped ? result.skipped : o.passed ? result.passed : result.failed)[o.property]++;
       if (o.passed && !o.skipped && o.property == "matches_reference" && strict_report)
         for (const auto& t : strict_report->tensors)
-          result.worst_margin[t.name] = std::max(result.worst_margin[t.name], t.margin);
+          if (t.margin > result.worst_margin[t.name]) {
+            result.worst_margin[t.name] = t.margin;
+            result.worst_margin_case[t.name] = c;
+          }
       if (o.passed) continue;
       any_failed = true;
       Counterexample ce;

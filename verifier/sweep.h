@@ -65,6 +65,7 @@ struct SweepResult {
   std::map<std::string, std::int64_t> passed, failed, skipped;  // by property
   std::vector<Counterexample> failures;
   std::map<std::string, double> worst_margin;  // by output tensor, over matches_reference checks that passed
+  std::map<std::string, Case> worst_margin_case;  // the case where each worst margin was reached
   std::map<std::string, SpreadFinding> spread;  // by output tensor: the determinism property's findings
   std::map<std::string, ProfileTally> by_profile;  // by profile name: the sweep's profile and also_profiles
   double candidate_seconds = 0;  // time inside the implementation's first run of each judged case

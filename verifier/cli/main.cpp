@@ -393,7 +393,9 @@ int run_sweep_command(const SweepArgs& a) {
   std::fprintf(stderr, "\n");
   std::cout << sv::format_sweep(r, impl.name);
   std::printf("worst %s margin by tensor (error / bound, < 1 passes):\n", options.profile.name().c_str());
-  for (const auto& [name, m] : r.worst_margin) std::printf("  %-22s %.3f\n", name.c_str(), m);
+  for (const auto& [name, m] : r.worst_margin)
+    std::printf("  %-22s %.3f%s\n", name.c_str(), m,
+                m >= 0.5 && r.worst_margin_case.count(name) ? ("  (" + r.worst_margin_case.at(name).to_string() + ")").c_str() : "");
   std::printf("%lld passed, %lld failed\n", static_cast<long long>(total(r.passed)), static_cast<long long>(total(r.failed)));
   return r.failures.empty() ? 0 : 1;
 }
