@@ -8,6 +8,8 @@
 // and judges it under a profile:
 //   strict  (default) bounds derived from the dtypes, the shapes and the problem's scales for an implementation
 //           that multiplies bf16 operands and accumulates in fp32 (README "Error model" derives each bound)
+//   bf16_logits  strict's derivation for an implementation that also rounds the logits to bf16 before the
+//           softmax (TRL's eager loss, Liger): the rounding's effect on each output added (README)
 //   peer    Liger-Kernel's bf16 test tolerance, atol = rtol = 5e-3 elementwise
 //   user    the caller's atol and rtol, elementwise
 // NaN or Inf where the exact value is finite always fails; a wrong dtype or shape fails; a tensor the
