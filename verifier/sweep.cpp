@@ -180,13 +180,13 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
         continue;
       }
       tally.failed++;
-      if (tally.first_failure.empty()) {
-        Counterexample ce;
-        ce.case_index = i;
-        ce.original = ce.shrunk = c;
-        ce.outcome = {false, "matches_reference", why};
-        tally.first_failure.push_back(ce);
-      }
+      Counterexample ce;
+      ce.case_index = i;
+      ce.original = ce.shrunk = c;
+      ce.outcome = {false, "matches_reference", why};
+      if (tally.first_failure.empty()) tally.first_failure.push_back(ce);
+      const auto size = [](const Case& k) { return k.spec.shape.N() * k.spec.shape.H * k.spec.shape.V; };
+      if (tally.smallest_failure.empty() || size(c) < size(tally.smallest_failure[0].original)) tally.smallest_failure = {ce};
     }
     bool any_failed = false;
     for (const Outcome& o : outcomes) {

@@ -53,7 +53,8 @@ struct SpreadFinding {
 // matches_reference under one profile, on every judged case's outputs.
 struct ProfileTally {
   std::int64_t passed = 0, failed = 0;
-  std::vector<Counterexample> first_failure;  // the first failing case (unshrunk), at most one
+  std::vector<Counterexample> first_failure;     // the first failing case (unshrunk), at most one
+  std::vector<Counterexample> smallest_failure;  // the failing case of fewest N H V (unshrunk), at most one
 };
 
 struct SweepResult {

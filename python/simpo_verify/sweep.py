@@ -122,7 +122,7 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
 
     profile: the error-model profile matches_reference judges (and shrinks) with: "strict" (bounds derived from
     dtypes and shapes) or "peer" (Liger's atol = rtol = 5e-3). also_judge: further profiles under which every
-    case's recorded outputs are judged again, for the report (the smallest failing case is written, unshrunk).
+    case's outputs are judged too, against the same reference outputs (the smallest failing case is written, unshrunk).
 
     shapes: (B, T, H, V) tuples; when given, every case's shape is one of them (picked uniformly) instead of drawn,
     so an implementation that compiles per shape (torch.compile, Triton) pays each compile once. values, bias,
