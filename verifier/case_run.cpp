@@ -11,8 +11,8 @@ CaseRun::CaseRun(const Case& c, const Implementation& impl, const Profile& profi
     : case_(c), impl_(impl), profile_(profile), declared_(impl.declared()) {}
 
 bool CaseRun::judged_as_nan_convention() {
-  return declared_.declares_empty_sequence("nan") && !declared_.declares_empty_sequence("error") &&
-         problem().hp.empty_sequence == EmptySequence::error && has_empty_sequence(problem());
+  return declared_.declares_empty_sequence("nan") && problem().hp.empty_sequence == EmptySequence::error &&
+         has_empty_sequence(problem());
 }
 
 std::optional<std::string> CaseRun::excluded_by() {

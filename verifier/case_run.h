@@ -35,7 +35,8 @@ class CaseRun {
   // invalid_inputs = unchecked for an input SPEC rejects that is not judged as the NaN convention).
   std::optional<std::string> excluded_by();
   // The problem has a sequence with no completion token, SPEC says error, and the implementation declares the
-  // NaN convention instead of the error: valid_input_agrees then requires outputs with a NaN loss.
+  // NaN convention: valid_input_agrees then requires outputs with a NaN loss (or the refusal, where "error" is
+  // declared too).
   bool judged_as_nan_convention();
 
   // Set by the determinism property: run-to-run difference per tensor of two runs on the same inputs.

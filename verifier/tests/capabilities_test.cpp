@@ -145,6 +145,15 @@ TEST(Capabilities, NanConventionIsJudgedAsDeclared) {
   const SweepResult refuses = run_sweep(cpu, options);
   ASSERT_FALSE(refuses.failures.empty());
   EXPECT_CONTAINS(refuses.failures[0].outcome.detail, "refused the input");
+  // Both conventions declared: SPEC's refusal and NaN outputs both pass.
+  Capabilities both;
+  both.empty_sequence = std::vector<std::string>{"error", "nan"};
+  cpu.capabilities = [both] { return both; };
+  Implementation nan_both = nan_convention(true);
+  nan_both.capabilities = cpu.capabilities;
+  options.stop_at_first_failure = false;
+  EXPECT_TRUE(run_sweep(cpu, options).failures.empty());
+  EXPECT_TRUE(run_sweep(nan_both, options).failures.empty());
 }
 
 TEST(Capabilities, ExcludedCasesAreCountedNeverJudged) {
