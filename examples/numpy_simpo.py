@@ -4,13 +4,14 @@
 Persistent protocol (SPEC "External implementations"): one JSON request per stdin line, one JSON answer per case.
 SIMPO_PLANTED_BUG=<name> plants one bug (verifier/README.md's table); unset, it is correct.
 SIMPO_LOGITS=bf16 rounds the logits to bf16 before the softmax, as TRL's eager loss and Liger do (judge it with
---profile bf16_logits). It answers SPEC's capabilities handshake: all of SPEC, deterministic."""
+--profile bf16_logits); SIMPO_GRADS=bf16 writes the gradients in bf16. It answers SPEC's capabilities handshake: all of SPEC, deterministic."""
 import json, os, struct, sys
 import numpy as np
 np.seterr(over="ignore")  # exp(s) -> inf gives sigmoid's exact limit
 
 BUG = os.environ.get("SIMPO_PLANTED_BUG", "")
 BF16_LOGITS = os.environ.get("SIMPO_LOGITS", "f32") == "bf16"
+BF16_GRADS = os.environ.get("SIMPO_GRADS", "f32") == "bf16"  # gradients written as bf16, as torch and Liger return them
 
 def bf16(a):  # float32 -> nearest bf16 (ties to even), kept as float32
     b = np.ascontiguousarray(a, np.float32).view(np.uint32)
@@ -30,8 +31,9 @@ def read(path):  # safetensors: 8-byte header length, JSON header, raw data; bf1
 def write(path, tensors):
     head, blobs, off = {}, [], 0
     for k, a in tensors.items():
-        b = np.ascontiguousarray(a, "<f4").tobytes()
-        head[k], off = {"dtype": "F32", "shape": list(np.shape(a)), "data_offsets": [off, off + len(b)]}, off + len(b)
+        half = BF16_GRADS and k.startswith("grad_")
+        b = (bf16(a).view("<u4") >> 16).astype("<u2").tobytes() if half else np.ascontiguousarray(a, "<f4").tobytes()
+        head[k], off = {"dtype": "BF16" if half else "F32", "shape": list(np.shape(a)), "data_offsets": [off, off + len(b)]}, off + len(b)
         blobs.append(b)
     h = json.dumps(head).encode()
     open(path, "wb").write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
