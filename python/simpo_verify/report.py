@@ -21,6 +21,11 @@ from .sweep import sweep
 PROFILES = ("strict", "bf16_logits", "peer")
 
 
+def _exec_name(target: str, arrays: str) -> str:
+    """The same callable through the exec: protocol: what replay commands name."""
+    return f"exec:python3 -m simpo_verify.serve {target}" + (" --torch" if arrays == "torch" else "")
+
+
 def peer_report(targets, cases=200, seed=20260101, arrays="numpy", device=None, shapes=(), hyperparameter_sets=0,
                 counterexample_dir="", shrink_seconds=30.0, time_budget_s=0.0) -> dict:
     """{"seed", "cases", "implementations": [SweepReport.to_dict() + seconds per case]} for each target."""
@@ -32,7 +37,7 @@ def peer_report(targets, cases=200, seed=20260101, arrays="numpy", device=None, 
         r = sweep(fn, cases=cases, seed=seed, profile="strict", also_judge=PROFILES[1:], arrays=arrays, device=device,
                   counterexample_dir=counterexample_dir, shapes=shapes, hyperparameter_sets=hyperparameter_sets,
                   shrink_seconds=shrink_seconds, time_budget_s=time_budget_s,
-                  name=target if isinstance(target, str) else None)
+                  name=_exec_name(target, arrays) if isinstance(target, str) else None)
         d = r.to_dict()
         d["wall_seconds"] = time.time() - t0
         d["seconds_per_case"] = r.seconds / max(r.cases, 1)

@@ -203,4 +203,4 @@ def test_peer_report_module(tmp_path):
     ours, scaled = doc["implementations"]
     assert ours["profiles"]["strict"]["failed"] == 0 and ours["profiles"]["bf16_logits"]["failed"] == 0
     assert scaled["profiles"]["strict"]["failed"] > 0
-    assert "| `impls:ours` |" in open(out + ".md").read()
+    assert "| `exec:python3 -m simpo_verify.serve impls:ours` |" in open(out + ".md").read()
