@@ -2,12 +2,24 @@
 
 #include "reference/reference.h"
 
+#include <chrono>
 #include <stdexcept>
 
 namespace simpo::verifier {
 
 CaseRun::CaseRun(const Case& c, const Implementation& impl, const Profile& profile)
-    : case_(c), impl_(impl), profile_(profile) {}
+    : case_(c), impl_(impl), profile_(profile), declared_(impl.declared()) {}
+
+bool CaseRun::judged_as_nan_convention() {
+  return declared_.declares_empty_sequence("nan") && problem().hp.empty_sequence == EmptySequence::error &&
+         has_empty_sequence(problem());
+}
+
+std::optional<std::string> CaseRun::excluded_by() {
+  if (auto key = exclusion(declared_, problem())) return key;
+  if (declared_.invalid_inputs == "unchecked" && !judged_as_nan_convention() && spec_rejects()) return "invalid_inputs";
+  return std::nullopt;
+}
 
 const Problem& CaseRun::problem() {
   if (!problem_) problem_ = generate(case_.spec);
@@ -16,6 +28,12 @@ const Problem& CaseRun::problem() {
 
 const ProblemScales& CaseRun::scales() {
   if (!scales_) scales_ = spec_rejects() ? ProblemScales::of(problem()) : ProblemScales::of(problem(), &exact(), &off_target_);
+  return *scales_;
+}
+
+const ProblemScales& CaseRun::scales_for(const Profile& profile) {
+  scales();
+  if (!spec_rejects()) scales_->prepare_for(profile, problem(), exact());
   return *scales_;
 }
 
@@ -46,7 +64,11 @@ const TensorMap& CaseRun::exact() {
 }
 
 const TensorMap& CaseRun::candidate() {
-  if (!candidate_) candidate_ = run(problem(), case_.run_options());
+  if (!candidate_) {
+    const auto start = std::chrono::steady_clock::now();
+    candidate_ = run(problem(), case_.run_options());
+    candidate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   return *candidate_;
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 #include <vector>
 
 namespace simpo::verifier {
@@ -108,16 +109,16 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
   }
 
   // The tolerances.
-  if (profile.kind == ProfileKind::strict) {
-    const StrictBounds b = strict_bounds(scales, name, cand.dtype);
+  if (is_derived(profile)) {
+    const StrictBounds b = derived_bounds(scales, name, cand.dtype, profile);
     r.rtol = b.rtol;
     r.atol = b.atol;
     if (b.frob_bound >= 0) {
-      const double bound_abs = gradient_frob_bound_abs(scales, name, std::sqrt(sum_floor_sq), n);
+      const double bound_abs = gradient_frob_bound_abs(scales, name, std::sqrt(sum_floor_sq), n, profile);
       r.frob_bound = norm > 0 ? bound_abs / norm : 0.0;
       // Elementwise: the whole internal budget may land on one element (a Frobenius norm bounds every element);
       // the element's own rounding is rtol.
-      r.atol = gradient_elementwise_atol(scales, name);
+      r.atol = gradient_elementwise_atol(scales, name, profile);
       if (norm == 0) r.frob_bound = -1;  // all-zero exact gradient: judged elementwise (atol = 0 when k = 0)
     }
   } else {
@@ -126,7 +127,7 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
   }
 
   // Strict grad_x, row by row: row r's error against the same budget built from its own floor and |k[r]|, q[r].
-  if (profile.kind == ProfileKind::strict && name == output_name::grad_x && !scales.row_k.empty()) {
+  if (is_derived(profile) && name == output_name::grad_x && !scales.row_k.empty()) {
     const std::int64_t H = scales.shape.H, N = scales.shape.N();
     std::vector<double> row_margin(static_cast<std::size_t>(N));
     std::vector<char> row_beyond(static_cast<std::size_t>(N));
@@ -139,7 +140,7 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
         err_sq += (c - e) * (c - e);
         floor_sq += fl * fl;
       }
-      const double bound = grad_x_row_bound(scales, row, std::sqrt(floor_sq));
+      const double bound = grad_x_row_bound(scales, row, std::sqrt(floor_sq), profile);
       const double err = std::sqrt(err_sq);
       row_margin[static_cast<std::size_t>(row)] = bound > 0 ? err / bound : (err > 0 ? INFINITY : 0.0);
       row_beyond[static_cast<std::size_t>(row)] = err > bound;
@@ -229,11 +230,15 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
 }  // namespace
 
 Report compare(const Problem& problem, const TensorMap& exact, const TensorMap& candidate, const Profile& profile) {
-  return compare(ProblemScales::of(problem, &exact), exact, candidate, profile);
+  ProblemScales scales = ProblemScales::of(problem, &exact);
+  scales.prepare_for(profile, problem, exact);
+  return compare(scales, exact, candidate, profile);
 }
 
 Report compare(const ProblemScales& scales, const TensorMap& exact, const TensorMap& candidate,
                const Profile& profile) {
+  if (profile.kind == ProfileKind::bf16_logits && !scales.logit_rounding)
+    throw std::logic_error("compare: the bf16_logits profile needs ProblemScales::prepare_for first");
   Report report;
   report.profile = profile.name();
   for (const auto& name : all_output_names()) {

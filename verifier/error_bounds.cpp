@@ -56,6 +56,7 @@ std::int64_t reduction_length(const Shape& s, const std::string& name) {
 std::string Profile::name() const {
   switch (kind) {
     case ProfileKind::strict: return "strict";
+    case ProfileKind::bf16_logits: return "bf16_logits";
     case ProfileKind::peer: return "peer";
     case ProfileKind::user: return "user(rtol=" + sci(rtol) + ", atol=" + sci(atol) + ")";
   }
@@ -63,6 +64,9 @@ std::string Profile::name() const {
 }
 
 Profile strict_profile() { return {}; }
+Profile bf16_logits_profile() { return {ProfileKind::bf16_logits, 0, 0}; }
+std::vector<Profile> named_profiles() { return {strict_profile(), bf16_logits_profile(), peer_profile()}; }
+bool is_derived(const Profile& p) { return p.kind == ProfileKind::strict || p.kind == ProfileKind::bf16_logits; }
 Profile peer_profile() { return {ProfileKind::peer, 5e-3, 5e-3}; }
 Profile user_profile(double rtol, double atol) {
   if (!(std::isfinite(rtol) && rtol >= 0 && std::isfinite(atol) && atol >= 0))
@@ -81,8 +85,9 @@ Profile profile_from_flags(const std::string& name, const double* rtol, const do
 
 Profile profile_from_name(const std::string& name) {
   if (name == "strict") return strict_profile();
+  if (name == "bf16_logits") return bf16_logits_profile();
   if (name == "peer") return peer_profile();
-  throw InputError("unknown profile \"" + name + "\" (strict or peer; --rtol/--atol give user tolerances)");
+  throw InputError("unknown profile \"" + name + "\" (strict, bf16_logits or peer; --rtol/--atol give user tolerances)");
 }
 
 double unit_roundoff(DType d) {
@@ -365,29 +370,254 @@ double round_to(DType dtype, double v) {
   }
 }
 
-double gradient_frob_bound_abs(const ProblemScales& scales, const std::string& name, double floor_abs, std::int64_t n) {
+namespace {
+// The bf16_logits profile's gradient terms for tensor `name` (0 under strict): the softmax perturbation (rms, joins
+// the roundings in quadrature) and k's error through the perturbed log-probs (a bound, added).
+std::pair<double, double> logit_rounding_terms(const ProblemScales& scales, const std::string& name, const Profile& profile) {
+  if (profile.kind != ProfileKind::bf16_logits || !scales.logit_rounding) return {0.0, 0.0};
+  const auto& lr = *scales.logit_rounding;
+  if (name == output_name::grad_x) return {lr.grad_x, lr.k_error_grad_x};
+  if (name == output_name::grad_weight) return {lr.grad_weight, lr.k_error_grad_weight};
+  if (name == output_name::grad_bias) return {lr.grad_bias, lr.k_error_grad_bias};
+  return {0.0, 0.0};
+}
+}  // namespace
+
+double gradient_frob_bound_abs(const ProblemScales& scales, const std::string& name, double floor_abs, std::int64_t n,
+                               const Profile& profile) {
   const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
   const double M = scales.gradient_magnitude(name);
   const double op = operand_rounding * scales.operand_magnitude(name);
   const double K = static_cast<double>(reduction_length(scales.shape, name));
-  return gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
+  const auto [softmax, k_error] = logit_rounding_terms(scales, name, profile);
+  return gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(std::hypot(floor_abs, op), softmax) +
          scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M +
-         underflow * std::sqrt(nn) + scales.k_error(name);
+         underflow * std::sqrt(nn) + scales.k_error(name) + k_error;
 }
 
-double gradient_elementwise_atol(const ProblemScales& scales, const std::string& name) {
-  return gradient_safety * gradient_internal_error(scales, name) + underflow;
+double gradient_elementwise_atol(const ProblemScales& scales, const std::string& name, const Profile& profile) {
+  const auto [softmax, k_error] = logit_rounding_terms(scales, name, profile);
+  return gradient_safety * (gradient_internal_error(scales, name) + softmax + k_error) + underflow;
 }
 
-double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double row_floor_abs) {
+double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double row_floor_abs, const Profile& profile) {
   const double H = static_cast<double>(scales.shape.H);
   const double e_l = scales.logprob_error(), W = scales.max_weight_norm;
   const double row_sample = 1 + small_sample / std::sqrt(H);
   const double acc = accumulation_safety * std::sqrt(static_cast<double>(scales.shape.V)) * u32 * 2;
   const double k = scales.row_k[static_cast<std::size_t>(row)], q = scales.row_q[static_cast<std::size_t>(row)];
   const double dk = scales.row_dk.empty() ? 0.0 : scales.row_dk[static_cast<std::size_t>(row)];
-  return gradient_safety * row_sample * std::hypot(row_floor_abs, operand_rounding * k * q * W) + scalar_safety * e_l * k * W +
-         acc * k * W + underflow * std::sqrt(H) + 2 * dk * W;
+  double softmax = 0, k_error = 0;
+  if (profile.kind == ProfileKind::bf16_logits && scales.logit_rounding && !scales.logit_rounding->row_grad_x.empty()) {
+    softmax = scales.logit_rounding->row_grad_x[static_cast<std::size_t>(row)];
+    k_error = scales.logit_rounding->row_k_error[static_cast<std::size_t>(row)];
+  }
+  return gradient_safety * row_sample * std::hypot(std::hypot(row_floor_abs, operand_rounding * k * q * W), softmax) +
+         scalar_safety * e_l * k * W + acc * k * W + underflow * std::sqrt(H) + 2 * dk * W + k_error;
+}
+
+StrictBounds derived_bounds(const ProblemScales& scales, const std::string& name, DType dtype, const Profile& profile) {
+  StrictBounds b = strict_bounds(scales, name, dtype);
+  if (profile.kind != ProfileKind::bf16_logits || !scales.logit_rounding) return b;
+  const auto& lr = *scales.logit_rounding;
+  const double beta = scales.hp.beta;
+  const double alpha = scales.hp.compute_nll_loss ? scales.hp.alpha : 0.0;
+  if (name == output_name::loss) b.atol += alpha * lr.nll + lr.loss_preference;
+  else if (name == output_name::nll_loss) b.atol += lr.nll;
+  else if (name == output_name::chosen_logps) b.atol += lr.chosen_logps;
+  else if (name == output_name::rejected_logps) b.atol += lr.rejected_logps;
+  else if (name == output_name::chosen_rewards) b.atol += beta * lr.chosen_logps;
+  else if (name == output_name::rejected_rewards) b.atol += beta * lr.rejected_logps;
+  else if (name == output_name::chosen_logits_mean) b.atol += lr.chosen_logits_mean;
+  else if (name == output_name::rejected_logits_mean) b.atol += lr.rejected_logits_mean;
+  return b;
+}
+
+// ---- the bf16_logits profile (README "The bf16_logits profile") ----
+//
+// The candidate computes fp32 logits z (strict's errors), then rounds each to bf16: z_v (1 + eps_v), |eps_v| <= u
+// = 2^-8, variance s_v^2 <= sigma^2 = u^2 / 3, independent across distinct logits. To first order, with p =
+// softmax(z) and e_v = eps_v z_v:
+//   token log-prob  dl = e_t (1 - p_t) - sum_{v != t} p_v e_v
+//                   worst |dl| <= u (|z_t| (1 - p_t) + sum_{v != t} p_v |z_v|),  var <= sigma^2 (z_t^2 (1 - p_t)^2 + sum_{v != t} p_v^2 z_v^2)
+//   softmax         dp_v = p_v (e_v - S), S = sum_u p_u e_u = p_v (1 - p_v) e_v - p_v sum_{u != v} p_u e_u
+//                   E ||dp||^2 <= sigma^2 B^2,  B^2 = sum_v p_v^2 (z_v^2 (1 - p_v)^2 + sum_{u != v} p_u^2 z_u^2)
+//   grad_x row      k W^T dp = k sum_v e_v p_v (w_v - g), g = sum_u p_u w_u: independent terms, so
+//                   E ||.||^2 <= sigma^2 k^2 C^2,  C^2 = sum_v p_v^2 z_v^2 ||w_v - g||^2
+// Each form keeps the cancellation of a peaked softmax (p_m near 1: dp_m ~ p_m (1 - p_m) e_m, w_m ~ g); bounding
+// |dp| by |p z| instead cost 40x at logit scale 30. Beyond first order, |exp(d) - 1| <= |d| expm1(D) / D for |d|
+// <= D: each row's terms are scaled by expm1(2 u zmax) / (2 u zmax), zmax = max_v |z_v|. A sequence average of n
+// tokens: min(worst, scalar_safety rms), rms = sqrt(sum var) / n, the worst case capping the probabilistic
+// estimate where few roundings decide it. grad_weight and grad_bias: rows independent, sigma sqrt(sum_r (k B
+// ||x_r||)^2) and sigma sqrt(sum_r (k B)^2). k itself moves: s_i = beta (c_i - r_i) - gamma by beta (e_c + e_r), g
+// by sigmoid(s) sigmoid(-s) times that (strict's dk, with the bf16 log-prob error in place of fp32's).
+void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact) {
+  if (logit_rounding) return;
+  LogitRounding lr;
+  const Shape& sh = p.shape;
+  const double u = 0x1.0p-8, sigma = u / std::sqrt(3.0);
+  const bool gradients = row_k.size() == static_cast<std::size_t>(sh.N());
+  std::vector<double> worst_l(static_cast<std::size_t>(sh.N()), 0.0), var_l(worst_l.size(), 0.0), b_row(worst_l.size(), 0.0),
+      c_row(worst_l.size(), 0.0);
+  double chosen_abs = 0, chosen_sq = 0, rejected_abs = 0, rejected_sq = 0;  // logits means: sum |z|, sum z^2 per half
+  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Matrix w(sh.V, sh.H);
+  for (std::int64_t i = 0; i < sh.V * sh.H; ++i) w.data()[i] = static_cast<float>(p.weight[static_cast<std::size_t>(i)]);
+  // ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2, in double (w ~ g for a peaked softmax: fp32 would cancel).
+  MatrixD wd;
+  Eigen::VectorXd w_sq;
+  if (gradients) {
+    wd = w.cast<double>();
+    w_sq = wd.rowwise().squaredNorm();
+  }
+  const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(sh.N(), (std::int64_t{32} << 20) / (8 * sh.V)));
+  std::vector<double> row(static_cast<std::size_t>(sh.V));
+  for (std::int64_t r0 = 0; r0 < sh.N(); r0 += rows) {
+    const std::int64_t m = std::min(rows, sh.N() - r0);
+    Matrix x(m, sh.H);
+    for (std::int64_t i = 0; i < m * sh.H; ++i) x.data()[i] = static_cast<float>(p.x[static_cast<std::size_t>(r0 * sh.H + i)]);
+    const Matrix z = x * w.transpose();
+    MatrixD probs = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // softmax of completion rows
+    MatrixD pz_sq = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // (p_v z_v)^2
+    std::vector<double> nonlinear_of(static_cast<std::size_t>(m), 1.0);
+    for (std::int64_t i = 0; i < m; ++i) {
+      const std::int64_t r = r0 + i;
+      double zmax = -INFINITY, zabs_max = 0, abs_sum = 0, sq_sum = 0;
+      for (std::int64_t v = 0; v < sh.V; ++v) {
+        const double zv = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>((*p.bias)[static_cast<std::size_t>(v)])) : 0.0);
+        row[static_cast<std::size_t>(v)] = zv;
+        zmax = std::max(zmax, zv);
+        zabs_max = std::max(zabs_max, std::fabs(zv));
+        abs_sum += std::fabs(zv);
+        sq_sum += zv * zv;
+      }
+      (r < sh.P() * sh.T ? chosen_abs : rejected_abs) += abs_sum;
+      (r < sh.P() * sh.T ? chosen_sq : rejected_sq) += sq_sum;
+      const std::int64_t target = p.target[static_cast<std::size_t>(r)];
+      if (target == p.hp.ignore_index || target < 0 || target >= sh.V) continue;
+      double sum = 0;
+      for (double zv : row) sum += std::exp(zv - zmax);
+      const double lse = zmax + std::log(sum);
+      // a_sq = sum p^2 z^2, p_sq = ||p||^2, own = sum p^2 z^2 (1 - p)^2, own4 = sum p^4 z^2: B^2 = own + p_sq a_sq - own4
+      double off_abs = 0, off_sq = 0, a_sq = 0, p_sq = 0, own = 0, own4 = 0;
+      for (std::int64_t v = 0; v < sh.V; ++v) {
+        const double zv = row[static_cast<std::size_t>(v)], pv = std::exp(zv - lse);
+        const double q = pv * pv * zv * zv;
+        a_sq += q;
+        p_sq += pv * pv;
+        own += q * (1 - pv) * (1 - pv);
+        own4 += q * pv * pv;
+        if (gradients) {
+          probs(i, v) = pv;
+          pz_sq(i, v) = q;
+        }
+        if (v == target) continue;
+        off_abs += pv * std::fabs(zv);
+        off_sq += q;
+      }
+      const double zt = row[static_cast<std::size_t>(target)], pt = std::exp(zt - lse);
+      const double D = 2 * u * zabs_max;
+      const double nonlinear = D > 0 ? std::expm1(D) / D : 1.0;
+      nonlinear_of[static_cast<std::size_t>(i)] = nonlinear;
+      const std::size_t ri = static_cast<std::size_t>(r);
+      worst_l[ri] = nonlinear * u * (std::fabs(zt) * (1 - pt) + off_abs);
+      var_l[ri] = nonlinear * nonlinear * sigma * sigma * (zt * zt * (1 - pt) * (1 - pt) + off_sq);
+      b_row[ri] = nonlinear * std::sqrt(std::max(0.0, own + p_sq * a_sq - own4));
+    }
+    if (gradients) {  // C^2 = sum_v (p_v z_v)^2 ||w_v - g||^2, g = P W: two products of the chunk
+      const MatrixD g = probs * wd;                // m x H
+      const MatrixD wg = g * wd.transpose();       // m x V: w_v . g
+      const Eigen::VectorXd g_sq = g.rowwise().squaredNorm();
+      for (std::int64_t i = 0; i < m; ++i) {
+        double c_sq = 0;
+        for (std::int64_t v = 0; v < sh.V; ++v)
+          if (pz_sq(i, v) > 0) c_sq += pz_sq(i, v) * std::max(0.0, w_sq(v) - 2 * wg(i, v) + g_sq(i));
+        c_row[static_cast<std::size_t>(r0 + i)] = nonlinear_of[static_cast<std::size_t>(i)] * std::sqrt(c_sq);
+      }
+    }
+  }
+  const double PTV = static_cast<double>(sh.P()) * static_cast<double>(sh.T) * static_cast<double>(sh.V);
+  lr.chosen_logits_mean = std::min(u * chosen_abs, scalar_safety * sigma * std::sqrt(chosen_sq)) / PTV;
+  lr.rejected_logits_mean = std::min(u * rejected_abs, scalar_safety * sigma * std::sqrt(rejected_sq)) / PTV;
+
+  // Per sequence: the average's error bound; the NLL's over the chosen completion tokens.
+  const std::int64_t P = sh.P();
+  std::vector<double> e_avg(static_cast<std::size_t>(sh.B), 0.0);
+  std::vector<std::int64_t> n(static_cast<std::size_t>(sh.B), 0);
+  double nll_worst = 0, nll_var = 0;
+  std::int64_t chosen_tokens = 0;
+  for (std::int64_t b = 0; b < sh.B; ++b) {
+    double worst = 0, var = 0;
+    for (std::int64_t t = 0; t < sh.T; ++t) {
+      if (!p.is_completion(b, t)) continue;
+      const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
+      worst += worst_l[r];
+      var += var_l[r];
+      ++n[static_cast<std::size_t>(b)];
+    }
+    const std::int64_t nb = n[static_cast<std::size_t>(b)];
+    if (nb > 0) e_avg[static_cast<std::size_t>(b)] = std::min(worst, scalar_safety * std::sqrt(var)) / static_cast<double>(nb);
+    if (b < P) {
+      nll_worst += worst;
+      nll_var += var;
+      chosen_tokens += nb;
+    }
+    (b < P ? lr.chosen_logps : lr.rejected_logps) = std::max(b < P ? lr.chosen_logps : lr.rejected_logps, e_avg[static_cast<std::size_t>(b)]);
+  }
+  if (chosen_tokens > 0) lr.nll = std::min(nll_worst, scalar_safety * std::sqrt(nll_var)) / static_cast<double>(chosen_tokens);
+  for (std::int64_t i = 0; i < P; ++i)
+    lr.loss_preference += hp.beta * (e_avg[static_cast<std::size_t>(i)] + e_avg[static_cast<std::size_t>(P + i)]) / static_cast<double>(P);
+
+  // Gradients: only with the exact log-probs (k) and gradients to judge.
+  if (gradients && exact.count(output_name::chosen_logps) && exact.count(output_name::rejected_logps) && P > 0) {
+    const Tensor& c = exact.at(output_name::chosen_logps);
+    const Tensor& rj = exact.at(output_name::rejected_logps);
+    lr.row_grad_x.assign(static_cast<std::size_t>(sh.N()), 0.0);
+    lr.row_k_error.assign(static_cast<std::size_t>(sh.N()), 0.0);
+    const double W = max_weight_norm;
+    double gx_sq = 0, gw_sq = 0, gb_sq = 0, dk_sq = 0, dk_x_sq = 0, dk_b_sq = 0;
+    for (std::int64_t b = 0; b < sh.B; ++b) {
+      const std::int64_t nb = n[static_cast<std::size_t>(b)];
+      if (nb == 0) continue;
+      const std::int64_t i = b % P;
+      const double si = hp.beta * (c.value(i) - rj.value(i)) - hp.gamma;
+      const double sig_pos = 1 / (1 + std::exp(-si)), sig_neg = 1 / (1 + std::exp(si));
+      const double ds = hp.beta * (e_avg[static_cast<std::size_t>(i)] + e_avg[static_cast<std::size_t>(P + i)]);
+      const double dk = std::fabs(hp.grad_scale) * hp.beta * sig_pos * sig_neg * ds / static_cast<double>(P) / static_cast<double>(nb);
+      double dk_x_seq = 0;
+      for (std::int64_t t = 0; t < sh.T; ++t) {
+        if (!p.is_completion(b, t)) continue;
+        const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
+        const double kb = row_k[r] * b_row[r], kc = row_k[r] * c_row[r];
+        double xn_sq = 0;
+        for (std::int64_t h = 0; h < sh.H; ++h) {
+          const double xv = static_cast<float>(p.x[r * static_cast<std::size_t>(sh.H) + static_cast<std::size_t>(h)]);
+          xn_sq += xv * xv;
+        }
+        lr.row_grad_x[r] = sigma * kc;
+        lr.row_k_error[r] = 2 * dk * W;
+        gx_sq += kc * kc;
+        gw_sq += kb * kb * xn_sq;
+        gb_sq += kb * kb;
+        dk_sq += dk * dk;
+        dk_x_seq += dk * std::sqrt(xn_sq);
+      }
+      dk_x_sq += dk_x_seq * dk_x_seq;
+      dk_b_sq += (static_cast<double>(nb) * dk) * (static_cast<double>(nb) * dk);
+    }
+    lr.grad_x = sigma * std::sqrt(gx_sq);
+    lr.grad_weight = sigma * std::sqrt(gw_sq);
+    lr.grad_bias = sigma * std::sqrt(gb_sq);
+    lr.k_error_grad_x = 2 * std::sqrt(dk_sq) * W;
+    lr.k_error_grad_weight = std::sqrt(2.0) * std::sqrt(dk_x_sq);
+    lr.k_error_grad_bias = std::sqrt(2.0) * std::sqrt(dk_b_sq);
+  }
+  logit_rounding = std::move(lr);
+}
+
+void ProblemScales::prepare_for(const Profile& profile, const Problem& p, const TensorMap& exact) {
+  if (profile.kind == ProfileKind::bf16_logits) add_logit_rounding(p, exact);
 }
 
 }  // namespace simpo::verifier

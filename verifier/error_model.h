@@ -8,6 +8,8 @@
 // and judges it under a profile:
 //   strict  (default) bounds derived from the dtypes, the shapes and the problem's scales for an implementation
 //           that multiplies bf16 operands and accumulates in fp32 (README "Error model" derives each bound)
+//   bf16_logits  strict's derivation for an implementation that also rounds the logits to bf16 before the
+//           softmax (TRL's eager loss, Liger): the rounding's effect on each output added (README)
 //   peer    Liger-Kernel's bf16 test tolerance, atol = rtol = 5e-3 elementwise
 //   user    the caller's atol and rtol, elementwise
 // NaN or Inf where the exact value is finite always fails; a wrong dtype or shape fails; a tensor the
@@ -21,12 +23,13 @@
 #include "reference/reference.h"
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace simpo::verifier {
 
-enum class ProfileKind { strict, peer, user };
+enum class ProfileKind { strict, bf16_logits, peer, user };
 
 struct Profile {
   ProfileKind kind = ProfileKind::strict;
@@ -34,9 +37,16 @@ struct Profile {
   std::string name() const;   // "strict", "peer", "user(rtol=1e-3, atol=1e-5)"
 };
 Profile strict_profile();
+// strict's derivation for an implementation that rounds the logits to bf16 before the softmax (TRL's eager loss,
+// Liger): "as accurate as TRL's eager loss" as a bound with a derivation (README "The bf16_logits profile").
+Profile bf16_logits_profile();
 Profile peer_profile();
+// Every named profile, in the order reports list them: strict, bf16_logits, peer.
+std::vector<Profile> named_profiles();
+// strict and bf16_logits: bounds derived from the problem (peer and user are elementwise tolerances).
+bool is_derived(const Profile&);
 Profile user_profile(double rtol, double atol);  // InputError unless both are finite and >= 0
-Profile profile_from_name(const std::string&);   // "strict" or "peer"; InputError otherwise
+Profile profile_from_name(const std::string&);   // "strict", "bf16_logits" or "peer"; InputError otherwise
 // The one resolution of the CLI's profile flags (check, case, sweep): --rtol or --atol given (either) means the
 // user profile with both (the other 0), validated by user_profile (a negative or NaN tolerance is an
 // InputError naming it, never a silent fall back to strict); else the named profile.
@@ -86,6 +96,24 @@ struct ProblemScales {
   double k_error(const std::string& output_name) const;
   // The error of the fp32 token log-prob (README derivation), which also perturbs each dz by |k| e_l.
   double logprob_error() const;
+
+  // The bf16_logits profile's extra budget: what rounding each logit to bf16 (relative error <= u = 2^-8, rms
+  // <= u / sqrt(3)) before the softmax adds, derived from the problem's fp32 logits (README "The bf16_logits
+  // profile"). Scalars: absolute error bounds; gradients: Frobenius (rms) sizes that join the operand rounding in
+  // quadrature, plus the error of k through the perturbed log-probs. Set by add_logit_rounding (O(N H V)).
+  struct LogitRounding {
+    double chosen_logps = 0, rejected_logps = 0, nll = 0, loss_preference = 0;
+    double chosen_logits_mean = 0, rejected_logits_mean = 0;
+    double grad_x = 0, grad_weight = 0, grad_bias = 0;                    // softmax perturbation through each gradient
+    double k_error_grad_x = 0, k_error_grad_weight = 0, k_error_grad_bias = 0;  // k's error through s
+    std::vector<double> row_grad_x;  // per token row: the softmax term and 2 dk W, for the per-row grad_x check
+    std::vector<double> row_k_error;
+  };
+  std::optional<LogitRounding> logit_rounding;
+  // Needs the exact outputs with gradients (k comes from the exact log-probs). Idempotent.
+  void add_logit_rounding(const Problem&, const TensorMap& exact);
+  // add_logit_rounding when `profile` is bf16_logits and the exact outputs allow it.
+  void prepare_for(const Profile&, const Problem&, const TensorMap& exact);
   static ProblemScales of(const Problem&, const TensorMap* exact = nullptr,
                           const reference::OffTargetSoftmax* off_target = nullptr);
 };
@@ -101,14 +129,18 @@ struct StrictBounds {
   double frob_bound = -1;         // gradients: rel_frob <= frob_bound (floor-dependent, filled by compare); -1: unused
 };
 StrictBounds strict_bounds(const ProblemScales&, const std::string& output_name, DType candidate_dtype);
+// strict_bounds widened by ProblemScales::logit_rounding for the bf16_logits profile (scalars' atol; gradients
+// are widened in gradient_frob_bound_abs, gradient_elementwise_atol and grad_x_row_bound through `profile`).
+StrictBounds derived_bounds(const ProblemScales&, const std::string& output_name, DType candidate_dtype, const Profile&);
 
 // Pieces of the strict gradient bounds (README "Error model"), used by compare:
 //   the Frobenius bound on ||candidate - exact|| for a tensor of n elements whose rounding floor is floor_abs;
-double gradient_frob_bound_abs(const ProblemScales&, const std::string& name, double floor_abs, std::int64_t n);
+double gradient_frob_bound_abs(const ProblemScales&, const std::string& name, double floor_abs, std::int64_t n,
+                               const Profile& = strict_profile());
 //   the elementwise backstop (the whole internal budget on one element);
-double gradient_elementwise_atol(const ProblemScales&, const std::string& name);
+double gradient_elementwise_atol(const ProblemScales&, const std::string& name, const Profile& = strict_profile());
 //   the bound for one token row of grad_x, from its own floor, k[row] and q[row].
-double grad_x_row_bound(const ProblemScales&, std::int64_t row, double row_floor_abs);
+double grad_x_row_bound(const ProblemScales&, std::int64_t row, double row_floor_abs, const Profile& = strict_profile());
 // v rounded to dtype (round to nearest even): what the floor is measured with.
 double round_to(DType, double v);
 

@@ -253,18 +253,8 @@ class ExecDriver {
     return std::string("did not answer within the case timeout of ") + buf + " s (--case-timeout); killed";
   }
 
-  void run_persistent(bool gradients, clock::time_point deadline) {
-    if (!child_.running()) {
-      child_ = spawn(command_, true);
-      buffer_.clear();
-    }
-    const nlohmann::json request = {{"inputs", inputs_}, {"outputs", outputs_}, {"gradients", gradients}};
-    if (!write_all(child_.to_stdin, request.dump() + "\n", deadline)) {
-      if (auto status = child_.wait_until(clock::now() + std::chrono::milliseconds(200)))
-        fault("died before reading the case (" + describe_status(*status) + ")");
-      fault(clock::now() >= deadline ? timeout_text() : "stopped reading its standard input");
-    }
-    // One line back, before the deadline.
+  // One line of the program's standard output, before the deadline (a fault otherwise).
+  std::string read_line(clock::time_point deadline) {
     std::size_t newline;
     while ((newline = buffer_.find('\n')) == std::string::npos) {
       char chunk[4096];
@@ -279,8 +269,51 @@ class ExecDriver {
       buffer_.append(chunk, static_cast<std::size_t>(n));
       if (buffer_.size() > (1 << 20)) fault("printed over 1 MiB on standard output without a newline: \"" + excerpt(buffer_) + "\"");
     }
-    const std::string line = buffer_.substr(0, newline);
+    std::string line = buffer_.substr(0, newline);
     buffer_.erase(0, newline + 1);
+    return line;
+  }
+
+ public:
+  // SPEC's handshake, once, before the first case: {"capabilities": true}; an answer {"ok": true, "capabilities":
+  // {...}} is the declaration, anything else (an older program's {"ok": false, ...}, garbage, dying) means all of
+  // SPEC. A program that died or misbehaved here is restarted for the first case. A declaration that is present
+  // but malformed is an InputError naming the key (the program says something wrong about itself).
+  Capabilities capabilities() {
+    if (declared_) return *declared_;
+    declared_ = Capabilities{};
+    if (one_shot_) return *declared_;
+    const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(options_.case_timeout_s));
+    nlohmann::json answer;
+    try {
+      if (!child_.running()) {
+        child_ = spawn(command_, true);
+        buffer_.clear();
+      }
+      if (!write_all(child_.to_stdin, "{\"capabilities\": true}\n", deadline)) fault("stopped reading its standard input");
+      answer = nlohmann::json::parse(read_line(deadline), nullptr, false);
+    } catch (const ImplementationFault& e) {
+      std::fprintf(stderr, "exec: no capabilities answer (%s): judged against all of SPEC\n", e.what());
+      return *declared_;
+    }
+    if (answer.is_object() && answer.contains("ok") && answer["ok"] == true && answer.contains("capabilities"))
+      declared_ = capabilities_from_json(answer["capabilities"].dump(), "exec: the program's capabilities answer");
+    return *declared_;
+  }
+
+ private:
+  void run_persistent(bool gradients, clock::time_point deadline) {
+    if (!child_.running()) {
+      child_ = spawn(command_, true);
+      buffer_.clear();
+    }
+    const nlohmann::json request = {{"inputs", inputs_}, {"outputs", outputs_}, {"gradients", gradients}};
+    if (!write_all(child_.to_stdin, request.dump() + "\n", deadline)) {
+      if (auto status = child_.wait_until(clock::now() + std::chrono::milliseconds(200)))
+        fault("died before reading the case (" + describe_status(*status) + ")");
+      fault(clock::now() >= deadline ? timeout_text() : "stopped reading its standard input");
+    }
+    const std::string line = read_line(deadline);
     const nlohmann::json answer = nlohmann::json::parse(line, nullptr, false);
     if (answer.is_discarded() || !answer.is_object() || !answer.contains("ok") || !answer["ok"].is_boolean())
       fault("printed something other than a JSON answer {\"ok\": ...} on standard output: \"" + excerpt(line) + "\"");
@@ -325,6 +358,7 @@ class ExecDriver {
   std::string dir_, inputs_, outputs_;
   Child child_;
   std::string buffer_;  // what the program printed past its last answer
+  std::optional<Capabilities> declared_;
 };
 
 }  // namespace
@@ -333,9 +367,15 @@ Implementation exec_implementation(const std::string& command, const Implementat
   validate(options);
   if (trim(command).empty()) throw InputError("--impl exec: needs a command after \"exec:\"");
   auto driver = std::make_shared<ExecDriver>(command, options);
-  return make_implementation(
+  Implementation impl = make_implementation(
       "exec:" + command, [driver](const Problem& problem, const RunOptions& run) { return driver->run(problem, run); },
       /*takes_chunking=*/false);
+  if (options.capabilities) {
+    impl.capabilities = [declared = *options.capabilities] { return declared; };
+  } else {
+    impl.capabilities = [driver] { return driver->capabilities(); };
+  }
+  return impl;
 }
 
 }  // namespace simpo::verifier

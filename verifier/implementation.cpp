@@ -9,6 +9,16 @@
 
 namespace simpo::verifier {
 
+namespace {
+// Our implementations compute all of SPEC and fix their summation order (no atomics, chunks reduced in order):
+// the same inputs give the same bits (the determinism property holds them to it).
+Capabilities deterministic_declaration() {
+  Capabilities c;
+  c.deterministic = true;
+  return c;
+}
+}  // namespace
+
 void validate(const RunOptions& run) {
   if (run.max_chunk_rows < 0)
     throw InputError("--max-chunk-rows must be >= 0 (0 lets the implementation decide), got " +
@@ -42,6 +52,7 @@ Implementation reference_implementation() {
     return reference::compute(problem, options);
   });
   impl.concurrent = true;
+  impl.capabilities = deterministic_declaration;
   return impl;
 }
 
@@ -65,6 +76,7 @@ Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant
     return fused::compute(problem, fused_options(backend, mutant, run));
   });
   impl.concurrent = true;  // each call owns its buffers (and on cuda its stream)
+  impl.capabilities = deterministic_declaration;
   return impl;
 }
 
@@ -104,7 +116,15 @@ Implementation best_available() {
   return fused_implementation(fused::cuda_available() ? fused::Backend::cuda : fused::Backend::cpu);
 }
 
+static Implementation implementation_named(const std::string& name, const ImplementationOptions& options);
+
 Implementation implementation_by_name(const std::string& name, const ImplementationOptions& options) {
+  Implementation impl = implementation_named(name, options);
+  if (options.capabilities) impl.capabilities = [declared = *options.capabilities] { return declared; };
+  return impl;
+}
+
+static Implementation implementation_named(const std::string& name, const ImplementationOptions& options) {
   validate(options);
   if (name.rfind("exec:", 0) == 0) return exec_implementation(name.substr(5), options);
   if (name == "reference") return reference_implementation();
@@ -117,6 +137,7 @@ Implementation implementation_by_name(const std::string& name, const Implementat
       return reference::compute(problem, options);
     });
     impl.concurrent = true;  // one stream and cuBLAS handle per thread
+    impl.capabilities = deterministic_declaration;
     return impl;
   }
   if (name == "auto") return best_available();

@@ -5,10 +5,12 @@
 #pragma once
 
 #include "fused/fused.h"
+#include "verifier/capabilities.h"
 #include "problem/problem.h"
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -32,6 +34,9 @@ void validate(const RunOptions&);
 // How an implementation is driven, beyond one run's options.
 struct ImplementationOptions {
   double case_timeout_s = 120;  // exec: seconds one case may take before the program is killed
+  // `--capabilities FILE.json`: the declaration the implementation is held to, instead of its own (an exec:
+  // program's handshake answer, a built-in backend's declaration).
+  std::optional<Capabilities> capabilities;
 };
 void validate(const ImplementationOptions&);
 
@@ -51,6 +56,10 @@ struct Implementation {
   // Whether compute may run on several threads at once (the sweep judges cases in parallel when it may). Our
   // implementations may; an external program (one process, one pipe) may not.
   bool concurrent = false;
+  // What it declares it supports (capabilities.h): a sweep judges only the inputs declared and reports the rest
+  // as excluded. An exec: program is asked once (SPEC's handshake); unset means all of SPEC.
+  std::function<Capabilities()> capabilities;
+  Capabilities declared() const { return capabilities ? capabilities() : Capabilities{}; }
 };
 
 // Wraps `compute` so that it validates its RunOptions first (every Implementation is made through this).

@@ -1,6 +1,7 @@
 #include "verifier/properties.h"
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <cstdio>
 
@@ -52,6 +53,23 @@ std::int64_t source_row(const Shape& original, std::int64_t b) {
 
 Outcome check_valid_input_agrees(CaseRun& run) {
   const std::string name = "valid_input_agrees";
+  if (run.judged_as_nan_convention()) {  // declared: NaN outputs where SPEC errors (the peers' convention)
+    const TensorMap* out = nullptr;
+    try {
+      out = &run.candidate();
+    } catch (const InputError& e) {
+      if (run.declared().declares_empty_sequence("error")) return pass(name);  // both declared: SPEC's refusal is one
+      return fail(name, run.implementation().name + " declares the nan convention for a sequence with no completion token (" +
+                            run.spec_error() + ") but refused the input: " + e.what());
+    }
+    const auto loss = out->find(output_name::loss);
+    if (loss == out->end() || loss->second.numel() != 1)
+      return fail(name, run.implementation().name + " declares the nan convention but returned no scalar loss for an empty sequence");
+    if (!std::isnan(loss->second.value(0)))
+      return fail(name, run.implementation().name + " declares the nan convention for a sequence with no completion token (" +
+                            run.spec_error() + ") but its loss is " + num(loss->second.value(0)));
+    return pass(name);
+  }
   bool candidate_rejects = false;
   std::string candidate_error;
   try {
@@ -71,7 +89,7 @@ Outcome check_valid_input_agrees(CaseRun& run) {
 Outcome check_matches_reference(CaseRun& run) {
   const std::string name = "matches_reference";
   if (run.spec_rejects()) return pass(name);
-  Report report = compare(run.scales(), run.exact(), run.candidate(), run.profile());
+  Report report = compare(run.scales_for(run.profile()), run.exact(), run.candidate(), run.profile());
   run.strict_report = report;
   if (report.passed()) return pass(name);
   for (const auto& t : report.tensors)
@@ -197,6 +215,62 @@ Outcome check_loss_only_agrees(CaseRun& run) {
   return pass(name);
 }
 
+// Two runs on the same inputs and run options, compared bit for bit. Declared deterministic: any difference
+// fails. Otherwise the difference is a finding, recorded per tensor (CaseRun::spread) for the sweep's report.
+Outcome check_deterministic(CaseRun& run) {
+  const std::string name = "deterministic";
+  if (run.spec_rejects()) return pass(name);
+  const TensorMap& first = run.candidate();
+  const TensorMap again = run.run(run.problem(), run.test_case().run_options());
+  std::map<std::string, CaseRun::Spread> spread;
+  std::string first_difference;
+  for (const auto& [n, a] : first) {
+    const auto it = again.find(n);
+    if (it == again.end()) {
+      if (first_difference.empty()) first_difference = n + " present in the first run only";
+      continue;
+    }
+    const Tensor& b = it->second;
+    CaseRun::Spread d;
+    if (a.dtype != b.dtype || a.shape != b.shape) {
+      if (first_difference.empty()) first_difference = n + ": dtype or shape differs between runs";
+      d.elements_differing = std::max(a.numel(), b.numel());
+      d.max_abs = d.rel = INFINITY;
+      spread[n] = d;
+      continue;
+    }
+    if (a.bytes == b.bytes) {
+      spread[n] = d;
+      continue;
+    }
+    const std::size_t size = dtype_size(a.dtype);
+    double diff_sq = 0, a_sq = 0;
+    for (std::int64_t i = 0; i < a.numel(); ++i) {
+      const double x = a.value(i), y = b.value(i);
+      a_sq += x * x;
+      const bool same_bits = std::equal(a.bytes.begin() + static_cast<std::ptrdiff_t>(i * size), a.bytes.begin() + static_cast<std::ptrdiff_t>((i + 1) * size),
+                                        b.bytes.begin() + static_cast<std::ptrdiff_t>(i * size));
+      if (same_bits) continue;
+      if (d.elements_differing++ == 0 && first_difference.empty())
+        first_difference = n + index_string(i, a.shape) + ": " + num(x) + " then " + num(y);
+      const double diff = std::isnan(x) && std::isnan(y) ? 0.0 : std::fabs(x - y);
+      d.max_abs = std::max(d.max_abs, std::isnan(diff) ? INFINITY : diff);
+      diff_sq += diff * diff;
+    }
+    d.rel = a_sq > 0 ? std::sqrt(diff_sq / a_sq) : (diff_sq > 0 ? INFINITY : 0.0);
+    spread[n] = d;
+  }
+  for (const auto& [n, b] : again)
+    if (!first.count(n) && first_difference.empty()) first_difference = n + " present in the second run only";
+  run.spread = std::move(spread);
+  if (first_difference.empty()) return pass(name);
+  if (run.declared().is_deterministic())
+    return fail(name, run.implementation().name + " declares deterministic but two runs on the same inputs differ: " + first_difference);
+  Outcome o = pass(name);
+  o.detail = "two runs differ (a finding, not a failure: not declared deterministic): " + first_difference;
+  return o;
+}
+
 }  // namespace
 
 // ---- properties ----
@@ -212,6 +286,8 @@ const std::vector<Property>& all_properties() {
       {"duplicate_pairs", "duplicating every pair keeps the loss and halves each copy's grad_x",
        check_duplicate_pairs},
       {"loss_only_agrees", "the forward-only run gives the full run's forward outputs", check_loss_only_agrees},
+      {"deterministic", "two runs on the same inputs give identical bits (required where declared; else the spread is reported)",
+       check_deterministic},
   };
   return properties;
 }
@@ -224,6 +300,7 @@ const Property& property_by_name(const std::string& name) {
 
 std::vector<Outcome> check_case(CaseRun& run, const std::vector<std::string>& only, bool stop_at_first_failure) {
   std::vector<Outcome> outcomes;
+  if (run.excluded_by()) return outcomes;  // outside the declaration: not judged (the sweep counts it)
   for (const auto& p : all_properties()) {
     if (!only.empty() && std::find(only.begin(), only.end(), p.name) == only.end()) continue;
     Outcome o;

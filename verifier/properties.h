@@ -8,10 +8,14 @@
 //   ignored_rows_zero    grad_x rows at ignored positions are exactly zero
 //   duplicate_pairs      duplicating every pair leaves the loss unchanged and halves each copy's gradient
 //   loss_only_agrees     the forward-only run gives the full run's forward outputs
+//   deterministic        a second run on the same inputs gives the same bits: required where the implementation
+//                        declares it (capabilities.h), otherwise its spread is recorded as a finding (CaseRun::spread)
+//
+// A case outside the implementation's declared capabilities is not judged at all (check_case returns no outcome).
 //
 // The verifier's pieces, one header each (this one includes them all):
 //   case.h            a case, its fields, the one case distribution     case_run.h   one case's shared results
-//   properties.h      the six properties and the per-case check          shrink.h     greedy shrinking
+//   properties.h      the seven properties and the per-case check        shrink.h     greedy shrinking
 //   counterexample.h  counterexample files and replay commands           sweep.h      the sweep loop
 #pragma once
 

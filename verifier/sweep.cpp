@@ -21,6 +21,7 @@ std::string profile_flags(const Profile& p) {
   char buf[96];
   switch (p.kind) {
     case ProfileKind::strict: return "";
+    case ProfileKind::bf16_logits: return " --profile bf16_logits";
     case ProfileKind::peer: return " --profile peer";
     case ProfileKind::user: std::snprintf(buf, sizeof buf, " --rtol %.17g --atol %.17g", p.rtol, p.atol); return buf;
   }
@@ -53,9 +54,18 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
   };
   struct Judged {
     Case c;
+    std::optional<std::string> excluded;
     std::vector<Outcome> outcomes;
     std::optional<Report> strict_report;
+    std::optional<std::map<std::string, CaseRun::Spread>> spread;
+    std::vector<std::pair<std::string, std::string>> profile_verdicts;  // profile name, "" passed or why it failed
+    double candidate_seconds = 0;
   };
+  result.declared = impl.declared();  // an exec: program's handshake happens here, before the first case
+  std::vector<Profile> profiles = {options.profile};
+  for (const Profile& p : options.also_profiles)
+    if (std::none_of(profiles.begin(), profiles.end(), [&](const Profile& q) { return q.name() == p.name(); })) profiles.push_back(p);
+  for (const Profile& p : profiles) result.by_profile[p.name()];
   // Cases in parallel: each reference product on one thread too, restored however the sweep ends.
   struct ProductThreads {
     int previous = 0;
@@ -81,8 +91,26 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
       }
       auto judge = [&](Judged& j) {
         CaseRun run(j.c, impl, options.profile);
+        if ((j.excluded = run.excluded_by())) return;
         j.outcomes = check_case(run, {}, options.stop_at_first_failure);
         j.strict_report = std::move(run.strict_report);
+        j.spread = std::move(run.spread);
+        j.candidate_seconds = run.candidate_seconds;
+        // matches_reference's verdict under every profile, on the outputs it judged (no extra run).
+        if (j.strict_report && !run.spec_rejects())
+          for (const Profile& p : profiles) {
+            const Report report = p.name() == options.profile.name() ? *j.strict_report
+                                                                     : compare(run.scales_for(p), run.exact(), run.candidate(), p);
+            std::string why;
+            if (!report.passed())
+              for (const auto& t : report.tensors)
+                if (t.verdict != Verdict::passed) {
+                  why = t.name + ": " + verdict_name(t.verdict) + ": " + t.reason;
+                  break;
+                }
+            if (report.tensors.empty()) why = "no tensors";
+            j.profile_verdicts.emplace_back(p.name(), why);
+          }
       };
       if (threads == 1) {
         // One case at a time: a small case still runs on one thread (a machine-wide OpenMP team and BLAS threads
@@ -122,15 +150,53 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
       next = 0;
     }
     const Case& c = batch[next].c;
+    const Judged& judged = batch[next];
     const std::vector<Outcome>& outcomes = batch[next].outcomes;
     const std::optional<Report>& strict_report = batch[next].strict_report;
     ++next;
+    result.cases = i + 1;
+    if (judged.excluded) {
+      result.excluded[*judged.excluded]++;
+      continue;
+    }
+    if (judged.candidate_seconds > 0) {
+      result.candidate_seconds += judged.candidate_seconds;
+      result.candidate_runs++;
+    }
+    if (judged.spread)
+      for (const auto& [tensor, d] : *judged.spread) {
+        SpreadFinding& f = result.spread[tensor];
+        f.cases_compared++;
+        if (d.elements_differing == 0) continue;
+        if (f.cases_differing++ == 0) f.first_case = i;
+        f.max_elements_differing = std::max(f.max_elements_differing, d.elements_differing);
+        f.max_abs = std::max(f.max_abs, d.max_abs);
+        f.max_rel = std::max(f.max_rel, d.rel);
+      }
+    for (const auto& [pname, why] : judged.profile_verdicts) {
+      ProfileTally& tally = result.by_profile[pname];
+      if (why.empty()) {
+        tally.passed++;
+        continue;
+      }
+      tally.failed++;
+      Counterexample ce;
+      ce.case_index = i;
+      ce.original = ce.shrunk = c;
+      ce.outcome = {false, "matches_reference", why};
+      if (tally.first_failure.empty()) tally.first_failure.push_back(ce);
+      const auto size = [](const Case& k) { return k.spec.shape.N() * k.spec.shape.H * k.spec.shape.V; };
+      if (tally.smallest_failure.empty() || size(c) < size(tally.smallest_failure[0].original)) tally.smallest_failure = {ce};
+    }
     bool any_failed = false;
     for (const Outcome& o : outcomes) {
       (o.skipped ? result.skipped : o.passed ? result.passed : result.failed)[o.property]++;
       if (o.passed && !o.skipped && o.property == "matches_reference" && strict_report)
         for (const auto& t : strict_report->tensors)
-          result.worst_margin[t.name] = std::max(result.worst_margin[t.name], t.margin);
+          if (t.margin > result.worst_margin[t.name]) {
+            result.worst_margin[t.name] = t.margin;
+            result.worst_margin_case[t.name] = c;
+          }
       if (o.passed) continue;
       any_failed = true;
       Counterexample ce;
@@ -164,6 +230,12 @@ SweepResult run_sweep(const Implementation& impl, const SweepOptions& options) {
   return result;
 }
 
+std::int64_t SweepResult::excluded_cases() const {
+  std::int64_t n = 0;
+  for (const auto& [key, count] : excluded) n += count;
+  return n;
+}
+
 std::string format_sweep(const SweepResult& r, const std::string& impl) {
   auto get = [](const std::map<std::string, std::int64_t>& m, const std::string& k) {
     auto it = m.find(k);
@@ -184,6 +256,34 @@ std::string format_sweep(const SweepResult& r, const std::string& impl) {
   os << line;
   if (!skip_note.empty())
     os << "  (skipped: " << skip_note << ": it varies chunk caps and the workspace budget, which an external program cannot be given)\n";
+  if (!r.declared.all_of_spec()) os << "  declared capabilities: " << r.declared.to_json() << "\n";
+  if (!r.excluded.empty()) {
+    os << "  excluded by the declaration (never judged, never failures): " << r.excluded_cases() << " of " << r.cases << " drawn cases:";
+    for (const auto& [key, n] : r.excluded) os << " " << key << " " << n << ";";
+    os << "\n";
+  }
+  bool differs = false;
+  for (const auto& [tensor, f] : r.spread) differs = differs || f.cases_differing > 0;
+  if (differs) {
+    os << "run-to-run spread (determinism: two runs on the same inputs; " << (r.declared.is_deterministic() ? "declared deterministic: failures above" : "not declared deterministic: a finding, not a failure") << "):\n";
+    for (const auto& [tensor, f] : r.spread)
+      if (f.cases_differing > 0) {
+        std::snprintf(line, sizeof line, "  %-22s differs in %lld of %lld cases (first case %lld), up to %lld elements, max |diff| %s, ||diff|| / ||out|| %s\n",
+                      tensor.c_str(), static_cast<long long>(f.cases_differing), static_cast<long long>(f.cases_compared),
+                      static_cast<long long>(f.first_case), static_cast<long long>(f.max_elements_differing),
+                      sci(f.max_abs).c_str(), sci(f.max_rel).c_str());
+        os << line;
+      }
+  }
+  if (r.by_profile.size() > 1) {
+    os << "matches_reference by profile:\n";
+    for (const auto& [pname, t] : r.by_profile) {
+      std::snprintf(line, sizeof line, "  %-32s %10lld %8lld\n", pname.c_str(), static_cast<long long>(t.passed), static_cast<long long>(t.failed));
+      os << line;
+      for (const auto& ce : t.first_failure)
+        os << "    first failure, case " << ce.case_index << ": " << ce.outcome.detail << "\n      " << ce.original.to_string() << "\n";
+    }
+  }
   for (const auto& ce : r.failures) {
     os << "FAILED " << ce.outcome.property << " on case " << ce.case_index << ": " << ce.outcome.detail << "\n"
        << "  shrunk: " << ce.shrunk.to_string() << "\n";

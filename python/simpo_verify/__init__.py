@@ -175,7 +175,8 @@ def check(inputs, candidate, profile="strict", *, rtol=None, atol=None, gradient
 
     inputs: an inputs-file path, or a dict {x, weight, target, [bias], [hyperparameter: value ...]}.
     candidate: an outputs-file path, or a dict of SPEC output names -> arrays (any framework, host or device).
-    profile: "strict" (bounds derived from dtypes and shapes) or "peer" (Liger's atol = rtol = 5e-3); rtol/atol
+    profile: "strict" (bounds derived from dtypes and shapes), "bf16_logits" (the same for logits rounded to bf16
+    before the softmax, as TRL and Liger do) or "peer" (Liger's atol = rtol = 5e-3); rtol/atol
     given: the user profile. gradients=False expects a forward-only candidate. exact: the reference's outputs
     (from reference()) to reuse across candidates of the same inputs.
     """

@@ -53,8 +53,11 @@ def run_one(fn, inputs: str, outputs: str, gradients: bool, arrays="numpy", devi
     _core.save_outputs(outputs, call(fn, tensors, meta, gradients, arrays, device))
 
 
-def serve(fn, *, arrays="numpy", device=None, stdin=None, stdout=None):
+def serve(fn, *, arrays="numpy", device=None, stdin=None, stdout=None, capabilities=None):
     """Answers the persistent exec: protocol for fn until stdin closes.
+
+    capabilities: the declaration sent in answer to SPEC's handshake ({"capabilities": true}); by default
+    fn.capabilities when fn has one. Without either, the handshake is answered {"ok": false} (all of SPEC).
 
     With the default streams, anything else written to standard output (fn's prints, a library's logs, at the
     file-descriptor level too) is sent to standard error instead, so the protocol's stdout carries answers only.
@@ -66,11 +69,19 @@ def serve(fn, *, arrays="numpy", device=None, stdin=None, stdout=None):
         os.dup2(2, 1)  # fd 1 now reaches stderr: stray output can no longer corrupt the protocol
         sys.stdout = sys.stderr
         stdout = os.fdopen(protocol_fd, "w", buffering=1)
+    if capabilities is None:
+        capabilities = getattr(fn, "capabilities", None)
     for line in stdin:
         if not line.strip():
             continue
         try:
             request = json.loads(line)
+            if "capabilities" in request:  # SPEC's handshake, before the first case
+                answer = ({"ok": True, "capabilities": capabilities} if capabilities is not None
+                          else {"ok": False, "error": "no capabilities declared: all of SPEC"})
+                stdout.write(json.dumps(answer) + "\n")
+                stdout.flush()
+                continue
             run_one(fn, request["inputs"], request["outputs"], bool(request.get("gradients", True)), arrays, device)
             answer = {"ok": True}
         except Exception as e:  # any exception is the implementation refusing these inputs
@@ -106,8 +117,18 @@ def main(argv=None):
     p.add_argument("--inputs", help="one-shot form: the inputs file")
     p.add_argument("--outputs", help="one-shot form: the outputs file")
     p.add_argument("--gradients", default="true", choices=["true", "false"], help="one-shot form")
+    p.add_argument("--capabilities", default=None,
+                   help="persistent form: the declaration (a JSON object, or FILE.json) answered to the capabilities "
+                        "handshake; default: FUNCTION.capabilities when it has one (SPEC 'External implementations')")
     a = p.parse_args(argv)
     fn = load_callable(a.target)
+    capabilities = None
+    if a.capabilities:
+        text = open(a.capabilities).read() if os.path.exists(a.capabilities) else a.capabilities
+        try:
+            capabilities = json.loads(text)
+        except json.JSONDecodeError as e:
+            p.error(f"--capabilities: not JSON: {e}")
     arrays = "torch" if a.torch else "numpy"
     if a.inputs or a.outputs:
         if not (a.inputs and a.outputs):
@@ -118,7 +139,7 @@ def main(argv=None):
             print(f"{type(e).__name__}: {e}", file=sys.stderr)
             return 1
         return 0
-    serve(fn, arrays=arrays, device=a.device)
+    serve(fn, arrays=arrays, device=a.device, capabilities=capabilities)
     return 0
 
 

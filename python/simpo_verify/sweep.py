@@ -32,6 +32,10 @@ class SweepReport:
         self.failed_by_property: dict = dict(raw["failed"])
         self.failures: list = list(raw["failures"])
         self.worst_margin: dict = dict(raw["worst_margin"])
+        self.declared: dict = json.loads(raw["declared"])  # the capabilities fn was held to ({}: all of SPEC)
+        self.excluded: dict = dict(raw["excluded"])  # drawn cases outside the declaration, by key
+        # tensor -> {"cases_compared", "cases_differing", "max_elements_differing", "max_abs", "max_rel"}
+        self.spread: dict = {k: dict(v) for k, v in raw["spread"].items()}
         # profile -> {"passed", "failed", "smallest_failure"} for matches_reference (strict: the sweep's own)
         self.profiles: dict = {profile: {"passed": self.passed_by_property.get("matches_reference", 0),
                                           "failed": self.failed_by_property.get("matches_reference", 0),
@@ -54,7 +58,8 @@ class SweepReport:
         return {"implementation": self.implementation, "profile": self.profile, "cases": self.cases,
                 "seconds": self.seconds, "passed": self.passed, "passed_by_property": self.passed_by_property,
                 "failed_by_property": self.failed_by_property, "profiles": self.profiles,
-                "failures": self.failures, "worst_margin": self.worst_margin}
+                "failures": self.failures, "worst_margin": self.worst_margin, "declared": self.declared,
+                "excluded": self.excluded, "spread": self.spread}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -68,6 +73,14 @@ class SweepReport:
             if pname != self.profile:
                 lines.append(f"  {'matches_reference (' + pname + ')':<32} {p['passed']:>10} {p['failed']:>8}")
         lines.append(f"  ({self.cases} cases in {self.seconds:.1f} s)")
+        if self.excluded:
+            lines.append(f"  excluded by the declaration {json.dumps(self.declared)}: "
+                         + ", ".join(f"{k} {n}" for k, n in sorted(self.excluded.items())))
+        for t, f in sorted(self.spread.items()):
+            if f["cases_differing"]:
+                lines.append(f"  run-to-run spread of {t}: {f['cases_differing']} of {f['cases_compared']} cases, "
+                             f"max |diff| {f['max_abs']:.2e}" + (" (declared deterministic: failed)"
+                                                               if self.declared.get("deterministic") else " (a finding)"))
         for f in self.failures:
             if f["shrunk"] is None:
                 continue
@@ -98,7 +111,7 @@ def _name_of(fn) -> str:
 def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arrays="numpy", device=None,
           time_budget_s=0.0, shrink=True, shrink_attempts=150, shrink_seconds=60.0,
           counterexample_dir="simpo-counterexamples", name=None, stop_at_first_failure=False,
-          verbose_refusals=False, shapes=(), hyperparameter_sets=0) -> SweepReport:
+          verbose_refusals=False, shapes=(), hyperparameter_sets=0, capabilities=None) -> SweepReport:
     """Runs `cases` random cases (SPEC's properties against the float64 reference; at most time_budget_s seconds
     when > 0) against fn, shrinking the first failure of each property to a small counterexample whose inputs
     file goes to counterexample_dir ("" writes none).
@@ -109,7 +122,7 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
 
     profile: the error-model profile matches_reference judges (and shrinks) with: "strict" (bounds derived from
     dtypes and shapes) or "peer" (Liger's atol = rtol = 5e-3). also_judge: further profiles under which every
-    case's recorded outputs are judged again, for the report (the smallest failing case is written, unshrunk).
+    case's outputs are judged too, against the same reference outputs (the smallest failing case is written, unshrunk).
 
     shapes: (B, T, H, V) tuples; when given, every case's shape is one of them (picked uniformly) instead of drawn,
     so an implementation that compiles per shape (torch.compile, Triton) pays each compile once. values, bias,
@@ -117,10 +130,20 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
     hyperparameters one of that many fixed draws per shape (for an implementation that specializes on their
     values); 0 draws them for every case. Both are the C++ case distribution's (verifier/case.h,
     CaseDistribution); the shrinker is not held to them: a shrunk counterexample may have any shape.
+
+    capabilities: what fn declares it supports (SPEC "External implementations": dtypes, bias, label_smoothing,
+    empty_sequence, invalid_inputs, max_shape, deterministic), a dict; default fn.capabilities when fn has one,
+    else all of SPEC. Drawn cases outside it are excluded (report.excluded counts them by key), never failures;
+    "deterministic" holds fn to identical bits on a rerun, and otherwise report.spread lists the run-to-run
+    differences. profile and also_judge also take "bf16_logits" (strict's derivation for logits rounded to bf16
+    before the softmax, as TRL's eager loss and Liger do).
     """
     for p in (profile, *also_judge):
-        if p not in ("strict", "peer"):
-            raise _core.InputError(f"profile {p!r}: expected 'strict' or 'peer'")
+        if p not in ("strict", "bf16_logits", "peer"):
+            raise _core.InputError(f"profile {p!r}: expected 'strict', 'bf16_logits' or 'peer'")
+    if capabilities is None:
+        capabilities = getattr(fn, "capabilities", None)
+    declared = "" if capabilities is None else json.dumps(capabilities)
     judged = [p for p in dict.fromkeys(also_judge) if p != profile]
     name = name or _name_of(fn)
 
@@ -139,5 +162,5 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
         shape_list.append(tuple(int(v) for v in sh))
     raw = _core.sweep(case, name, seed, cases, time_budget_s, shrink, counterexample_dir or "",
                       stop_at_first_failure, profile, judged, shrink_attempts, shrink_seconds, shape_list,
-                      int(hyperparameter_sets))
+                      int(hyperparameter_sets), declared)
     return SweepReport(raw, profile)

@@ -135,22 +135,12 @@ nb::dict report_of(const sv::Report& r) {
 
 // ---- sweep against a Python callable ----
 
-// What the sweep's candidate runs produced, kept to judge them again under other profiles: per case, its first
-// run with gradients (CaseRun runs the case's own problem first, for valid_input_agrees; the problems other
-// properties derive from it, e.g. duplicate_pairs' doubled batch, keep its description and are not recorded).
-// Recording stops when the case loop ends: the shrinker's attempts are not cases.
-struct Recorded {
-  bool on = true;
-  std::vector<std::string> order;
-  std::map<std::string, std::pair<Problem, TensorMap>> runs;
-};
-
 // The callable gets (tensors, metadata, gradients) in the wire form and returns a dict of wire tensors; any
 // Python exception is the implementation refusing its inputs (an InputError carrying the exception's text).
-sv::Implementation python_implementation(nb::callable fn, const std::string& name, std::shared_ptr<Recorded> record) {
+sv::Implementation python_implementation(nb::callable fn, const std::string& name) {
   sv::Implementation impl;
   impl.name = name;
-  impl.compute = [fn, name, record](const Problem& problem, const sv::RunOptions& run) -> TensorMap {
+  impl.compute = [fn, name](const Problem& problem, const sv::RunOptions& run) -> TensorMap {
     nb::gil_scoped_acquire gil;
     const simpo::SafetensorsFile f = simpo::problem_to_file(problem);
     nb::dict tensors;
@@ -169,13 +159,6 @@ sv::Implementation python_implementation(nb::callable fn, const std::string& nam
           simpo::SafetensorsFile{tensors_from(nb::cast<std::map<std::string, WireTensor>>(result)), {}}, name);
     } catch (const nb::cast_error&) {
       throw InputError(name + " returned something other than a dict of SPEC outputs");
-    }
-    if (record && record->on && run.gradients) {
-      const std::string& key = problem.description;
-      if (!record->runs.count(key)) {
-        record->order.push_back(key);
-        record->runs.emplace(key, std::make_pair(problem, out));
-      }
     }
     return out;
   };
@@ -202,16 +185,18 @@ std::string file_part(const std::string& name) {
 // The sweep: SPEC's properties on `cases` random cases, matches_reference under `profile`. Unlike the CLI's
 // sweep, only the first failure of each property is shrunk (a peer that fails most cases would otherwise spend
 // the run shrinking); every other failure is counted and listed unshrunk. `also_judge`: further profiles under
-// which matches_reference is re-judged on each case's recorded outputs (the smallest failing case is written).
+// which matches_reference also judges each case's outputs, in the sweep (SweepOptions::also_profiles: the same
+// reference outputs, no second run; the smallest failing case is written).
 nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std::int64_t cases, double time_budget_s,
                bool shrink, const std::string& counterexample_dir, bool stop_at_first_failure,
                const std::string& profile_name, const std::vector<std::string>& also_judge, int shrink_attempts,
                double shrink_seconds, const std::vector<std::array<std::int64_t, 4>>& shapes,
-               int hyperparameter_sets) {
+               int hyperparameter_sets, const std::string& capabilities_json) {
   const sv::Profile profile = sv::profile_from_name(profile_name);
   const std::string profile_flags = profile.kind == sv::ProfileKind::strict ? "" : " --profile " + profile.name();
-  auto record = also_judge.empty() ? nullptr : std::make_shared<Recorded>();
-  const sv::Implementation impl = python_implementation(std::move(fn), name, record);
+  sv::Implementation impl = python_implementation(std::move(fn), name);
+  if (!capabilities_json.empty())  // InputError naming the key for a malformed declaration
+    impl.capabilities = [declared = sv::capabilities_from_json(capabilities_json, "sweep(capabilities=...)")] { return declared; };
   sv::SweepOptions options;
   options.seed = seed;
   options.max_cases = cases;
@@ -219,6 +204,7 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   options.shrink = false;
   options.profile = profile;
   options.stop_at_first_failure = stop_at_first_failure;
+  for (const std::string& pname : also_judge) options.also_profiles.push_back(sv::profile_from_name(pname));
   for (const auto& [B, T, H, V] : shapes) {  // named before any case runs, not as a refusal of every case
     const simpo::Shape shape{B, T, H, V};
     simpo::validate_shape(shape);
@@ -229,10 +215,10 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   options.distribution.hyperparameter_sets = hyperparameter_sets;
   nb::dict d;
   nb::list failures;
+  nb::dict profiles;
   {
     nb::gil_scoped_release release;  // the callable takes it back for each case
     sv::SweepResult r = sv::run_sweep(impl, options);
-    if (record) record->on = false;
     std::map<std::string, bool> shrunk_one;
     nb::gil_scoped_acquire gil;
     d["cases"] = r.cases;
@@ -240,6 +226,44 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
     d["passed"] = r.passed;
     d["failed"] = r.failed;
     d["worst_margin"] = r.worst_margin;
+    d["declared"] = r.declared.to_json();
+    d["excluded"] = r.excluded;
+    nb::dict spread;
+    for (const auto& [tensor, f] : r.spread) {
+      nb::dict s;
+      s["cases_compared"] = f.cases_compared;
+      s["cases_differing"] = f.cases_differing;
+      s["max_elements_differing"] = f.max_elements_differing;
+      s["max_abs"] = f.max_abs;
+      s["max_rel"] = f.max_rel;
+      spread[tensor.c_str()] = s;
+    }
+    d["spread"] = spread;
+    // matches_reference under the other profiles: counts and the smallest failing case (its inputs file written).
+    for (const std::string& pname : also_judge) {
+      const sv::ProfileTally& tally = r.by_profile[sv::profile_from_name(pname).name()];
+      nb::dict pd;
+      pd["passed"] = tally.passed;
+      pd["failed"] = tally.failed;
+      pd["smallest_failure"] = nb::none();
+      for (const auto& ce : tally.smallest_failure) {
+        nb::dict f;
+        f["description"] = ce.original.spec.description;
+        f["detail"] = ce.outcome.detail;
+        f["inputs_path"] = "";
+        if (!counterexample_dir.empty()) {
+          const std::string path = counterexample_dir + "/" + file_part(name) + "-" + pname + "-smallest.inputs.safetensors";
+          {
+            nb::gil_scoped_release again;
+            std::filesystem::create_directories(counterexample_dir);
+            simpo::save_problem(path, simpo::generate(ce.original.spec));
+          }
+          f["inputs_path"] = path;
+        }
+        pd["smallest_failure"] = f;
+      }
+      profiles[pname.c_str()] = pd;
+    }
     for (auto& ce : r.failures) {
       nb::dict f;
       f["case_index"] = ce.case_index;
@@ -281,72 +305,21 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   for (const auto& p : sv::all_properties()) properties.append(nb::make_tuple(p.name, p.claim));
   d["properties"] = properties;
 
-  // matches_reference under the other profiles, on the recorded outputs of each case.
-  nb::dict profiles;
-  for (const std::string& pname : also_judge) {
-    const sv::Profile other = sv::profile_from_name(pname);
-    std::int64_t passed = 0, failed = 0;
-    nb::object smallest = nb::none();
-    std::int64_t smallest_size = -1;
-    for (const std::string& key : record->order) {
-      const auto& [problem, outputs] = record->runs.at(key);
-      TensorMap exact;
-      sv::Report report;
-      try {
-        nb::gil_scoped_release release;
-        exact = simpo::reference::compute(problem, {});
-        report = sv::compare(problem, exact, outputs, other);
-      } catch (const InputError&) {
-        continue;  // SPEC rejects it: valid_input_agrees' business, not this profile's
-      }
-      if (report.passed()) {
-        ++passed;
-        continue;
-      }
-      ++failed;
-      const simpo::Shape& s = problem.shape;
-      const std::int64_t size = s.N() * s.H * s.V;
-      if (smallest_size < 0 || size < smallest_size) {
-        smallest_size = size;
-        nb::dict f;
-        f["description"] = problem.description;
-        std::string why;
-        for (const auto& t : report.tensors)
-          if (t.verdict != sv::Verdict::passed) {
-            why = t.name + ": " + sv::verdict_name(t.verdict) + ": " + t.reason;
-            break;
-          }
-        f["detail"] = why;
-        f["inputs_path"] = "";
-        if (!counterexample_dir.empty()) {
-          const std::string path = counterexample_dir + "/" + file_part(name) + "-" + pname + "-smallest.inputs.safetensors";
-          std::filesystem::create_directories(counterexample_dir);
-          simpo::save_problem(path, problem);
-          f["inputs_path"] = path;
-        }
-        smallest = f;
-      }
-    }
-    nb::dict pd;
-    pd["passed"] = passed;
-    pd["failed"] = failed;
-    pd["smallest_failure"] = smallest;
-    profiles[pname.c_str()] = pd;
-  }
   d["profiles"] = profiles;
   return d;
 }
 
 struct Judge {
+  Problem problem;  // kept for the bf16_logits profile's logit pass (ProblemScales::prepare_for)
   TensorMap exact;
-  sv::ProblemScales scales;
-  Judge(const Problem& p, const std::map<std::string, WireTensor>& exact_wire) : exact(tensors_from(exact_wire)) {
+  mutable sv::ProblemScales scales;
+  Judge(const Problem& p, const std::map<std::string, WireTensor>& exact_wire) : problem(p), exact(tensors_from(exact_wire)) {
     nb::gil_scoped_release release;
     scales = sv::ProblemScales::of(p, &exact);
   }
   // The reference computed here (--reference auto), its dz pass handing the error model each row's off-target
   // softmax: the scales then cost O(N) instead of recomputing fp32 logits (O(N H V)), as CaseRun does.
-  Judge(const Problem& p, bool gradients) {
+  Judge(const Problem& p, bool gradients) : problem(p) {
     nb::gil_scoped_release release;
     simpo::reference::Options o;
     o.gradients = gradients;
@@ -363,7 +336,9 @@ struct Judge {
     sv::Report r;
     {
       nb::gil_scoped_release release;
-      r = sv::compare(scales, exact, c, profile_from(profile, rtol, atol));
+      const sv::Profile judged = profile_from(profile, rtol, atol);
+      scales.prepare_for(judged, problem, exact);
+      r = sv::compare(scales, exact, c, judged);
     }
     return report_of(r);
   }
@@ -512,5 +487,5 @@ NB_MODULE(_core, m) {
 
   m.def("sweep", &sweep, "fn"_a, "name"_a, "seed"_a, "cases"_a, "time_budget_s"_a, "shrink"_a,
         "counterexample_dir"_a, "stop_at_first_failure"_a, "profile"_a, "also_judge"_a, "shrink_attempts"_a, "shrink_seconds"_a,
-        "shapes"_a, "hyperparameter_sets"_a);
+        "shapes"_a, "hyperparameter_sets"_a, "capabilities"_a = "");
 }

@@ -155,3 +155,52 @@ def test_sweep_refuses_a_shape_spec_rejects():
             sv.sweep(ours, cases=1, shapes=[bad], counterexample_dir="")
     with pytest.raises(sv.InputError, match="hyperparameter_sets"):
         sv.sweep(ours, cases=1, hyperparameter_sets=-1, counterexample_dir="")
+
+
+def test_sweep_capabilities_exclude_and_are_reported():
+    from impls import ours
+
+    r = sv.sweep(ours, cases=40, seed=7, counterexample_dir="", capabilities={"bias": False, "deterministic": True})
+    assert r.passed, str(r)
+    assert r.declared == {"bias": False, "deterministic": True}
+    assert r.excluded.get("bias", 0) > 5, r.excluded
+    assert "excluded by the declaration" in str(r)
+    with pytest.raises(sv.InputError, match='"bias"'):
+        sv.sweep(ours, cases=1, capabilities={"bias": "no"})
+
+
+def test_sweep_determinism_finds_one_ulp():
+    from impls import flips_one_ulp
+
+    declared = sv.sweep(flips_one_ulp, cases=8, seed=7, counterexample_dir="", shrink=False,
+                        capabilities={"deterministic": True})
+    assert declared.failed_by_property.get("deterministic", 0) > 0, str(declared)
+    flips_one_ulp.seen.clear()
+    finding = sv.sweep(flips_one_ulp, cases=8, seed=7, counterexample_dir="", shrink=False)
+    assert finding.failed_by_property.get("deterministic", 0) == 0
+    assert finding.spread["grad_x"]["cases_differing"] > 0 and finding.spread["grad_x"]["max_elements_differing"] == 1
+
+
+def test_serve_answers_the_capabilities_handshake():
+    from simpo_verify.serve import serve
+    from impls import ours
+    import io
+
+    out = io.StringIO()
+    serve(ours, stdin=io.StringIO('{"capabilities": true}\n'), stdout=out, capabilities={"deterministic": True})
+    assert json.loads(out.getvalue()) == {"ok": True, "capabilities": {"deterministic": True}}
+    out = io.StringIO()
+    serve(ours, stdin=io.StringIO('{"capabilities": true}\n'), stdout=out)
+    assert json.loads(out.getvalue())["ok"] is False  # no declaration: all of SPEC
+
+
+def test_peer_report_module(tmp_path):
+    from simpo_verify.report import main
+
+    out = str(tmp_path / "rep")
+    assert main(["impls:ours", "impls:nll_scaled", "--cases", "12", "--seed", "3", "--out", out]) == 0
+    doc = json.load(open(out + ".json"))
+    ours, scaled = doc["implementations"]
+    assert ours["profiles"]["strict"]["failed"] == 0 and ours["profiles"]["bf16_logits"]["failed"] == 0
+    assert scaled["profiles"]["strict"]["failed"] > 0
+    assert "| `exec:python3 -m simpo_verify.serve impls:ours` |" in open(out + ".md").read()

@@ -40,6 +40,30 @@ if [ -n "${FIXED_ONLY:-}" ]; then  # e.g. FIXED_ONLY="liger cce" SWEEP_BUDGET=24
   tar czf $OUT/results.tgz -C $R . && rm -rf $R; ls -la $OUT
   exit 0
 fi
+if [ -n "${PEER_REPORT:-}" ]; then
+  # The peer report alone: PEER_REPORT="ours torch_eager liger cce cce_exact" (or 1: all five) CASES=100
+  # SWEEP_BUDGET=60 [PUBLISHED=1]. One process, the peers one after another on the same case stream (sweep_peer.py's
+  # fixed shapes and two hyperparameter sets: Liger's and CCE's compiles paid once), each held to its declaration
+  # (peers.py) and judged under strict, bf16_logits and peer; `ours` is the cuda backend through the torch module,
+  # declared deterministic. PUBLISHED=1: then the published case once for every peer under the three profiles.
+  # Keep (number of peers) x (SWEEP_BUDGET + 30) s, plus 240 s with PUBLISHED, under the run's 600 s.
+  [ "$PEER_REPORT" = 1 ] && PEER_REPORT="ours torch_eager liger cce cce_exact"
+  targets=""; for p in $PEER_REPORT; do targets="$targets peers:$p"; done
+  n=$(echo $PEER_REPORT | wc -w)
+  timeout $((n * (SWEEP_BUDGET + 30))) python3 -m simpo_verify.report $targets --torch --device cuda --cases $CASES \
+    --budget $SWEEP_BUDGET --shrink-seconds 8 --shapes 2,16,64,1021 --shapes 4,13,37,509 --shapes 6,9,96,3 \
+    --hyperparameter-sets 2 --counterexample-dir $R/ce --out $R/peer-report > $R/peer-report.log 2>&1
+  echo "peer report: exit $?, $(( $(date +%s) - start )) s"
+  if [ -n "${PUBLISHED:-}" ]; then
+    OMP_NUM_THREADS=16 OPENBLAS_NUM_THREADS=16 timeout 240 python3 python/tools/published_case.py $R \
+      $(echo $PEER_REPORT | tr ' ' ',') > $R/published.log 2>&1
+    grep -E "^(generate|ours|torch_eager|liger|cce)" $R/published.log
+  fi
+  cat $R/peer-report.md 2>/dev/null || tail -30 $R/peer-report.log
+  cp $R/peer-report.md $R/peer-report.json $OUT/ 2>/dev/null
+  tar czf $OUT/results.tgz -C $R . && rm -rf $R; ls -la $OUT
+  exit 0
+fi
 for p in ours torch_eager liger cce cce_exact; do
   timeout $stage1 python3 python/tools/sweep_peer.py $p $R --fixed --cases $CASES --budget $SWEEP_BUDGET \
     --shrink-seconds 8 > $R/sweep-$p-fixed.log 2>&1 &

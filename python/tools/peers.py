@@ -160,3 +160,19 @@ def ours(x, weight, target, bias=None, *, gradients=True, beta, gamma, alpha, la
 
 
 PEERS = {"torch_eager": torch_eager, "liger": liger, "cce": cce, "cce_exact": cce_exact, "ours": ours}
+
+# What each peer declares (SPEC "External implementations", Capabilities): the sweep judges each on these inputs
+# only and lists the rest as excluded. All of them take bias and label smoothing (bias: CCE through the (x|1) .
+# (w|b) column). None refuses SPEC's invalid inputs (invalid_inputs: unchecked), and for a sequence with no
+# completion token each divides 0 by 0 (mask.sum(-1) = 0): NaN outputs, the "nan" convention; none implements
+# empty_sequence=zero. dtypes: torch eager and Liger run in the inputs' dtype (Liger's own tests use bf16 and f32);
+# CCE's Triton kernels are written for 16-bit inputs (f32 not claimed). deterministic: ours is declared (SPEC's
+# cuda backend) and held to it; CCE's is false (grad_x differed between two calls on the same inputs); torch eager
+# (cuBLAS GEMMs, row-wise reductions, a gather whose backward adds one value per element) and Liger (a compiled
+# chunk loop) make no claim either way, so the report shows their run-to-run spread, or identical reruns.
+_PEER_COMMON = {"bias": True, "label_smoothing": True, "empty_sequence": ["nan"], "invalid_inputs": "unchecked"}
+torch_eager.capabilities = {**_PEER_COMMON, "dtypes": ["bf16", "f16", "f32"]}
+liger.capabilities = {**_PEER_COMMON, "dtypes": ["bf16", "f16", "f32"]}
+cce.capabilities = {**_PEER_COMMON, "dtypes": ["bf16", "f16"], "deterministic": False}
+cce_exact.capabilities = {**_PEER_COMMON, "dtypes": ["bf16", "f16"], "deterministic": False}
+ours.capabilities = {"deterministic": True}

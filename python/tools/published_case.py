@@ -43,13 +43,14 @@ def main():
         try:
             out = PEERS[name](dev["x"], dev["weight"], dev["target"], dev.get("bias"), gradients=True, **hp)
             torch.cuda.synchronize()
-            reports = {p: judge.check(out, p) for p in ("strict", "peer")}
+            reports = {p: judge.check(out, p) for p in ("strict", "bf16_logits", "peer")}
             del out
             result["peers"][name] = {p: {"passed": r.passed, "failed": r.failed(),
                                          "rows": [{k: row[k] for k in ("name", "verdict", "rel_frob", "ratio",
                                                                        "max_abs", "margin", "reason")}
                                                   for row in r.rows]} for p, r in reports.items()}
             print(f"{name}: strict {'passed' if reports['strict'].passed else 'FAILED ' + str(reports['strict'].failed())}"
+                  f", bf16_logits {'passed' if reports['bf16_logits'].passed else 'FAILED ' + str(reports['bf16_logits'].failed())}"
                   f", peer {'passed' if reports['peer'].passed else 'FAILED ' + str(reports['peer'].failed())}"
                   f" ({time.time() - t1:.1f} s)\n{reports['strict']}", flush=True)
         except Exception as e:  # a peer that breaks is a result, not the end of the run

@@ -45,7 +45,7 @@ def main():
         torch._logging.set_logs(recompiles=True)
     os.makedirs(os.path.join(args.out, "ce"), exist_ok=True)
     start = time.time()
-    r = sv.sweep(peers.PEERS[args.peer], cases=args.cases, seed=args.seed, also_judge=("peer",), arrays="torch",
+    r = sv.sweep(peers.PEERS[args.peer], cases=args.cases, seed=args.seed, also_judge=("bf16_logits", "peer"), arrays="torch",
                  device="cuda", time_budget_s=args.budget, counterexample_dir=os.path.join(args.out, "ce"),
                  name=f"exec:python3 -m simpo_verify.serve peers:{args.peer} --torch", shrink_attempts=60,
                  shrink_seconds=args.shrink_seconds, shapes=FIXED_SHAPES if args.fixed else (),

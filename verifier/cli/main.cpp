@@ -6,6 +6,7 @@
 #include "verifier/check.h"
 #include "verifier/error_model.h"
 #include "verifier/implementation.h"
+#include "verifier/peer_report.h"
 #include "verifier/properties.h"
 
 #include <CLI/CLI.hpp>
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <iostream>
 #include <sstream>
@@ -52,9 +54,17 @@ void add_reference_option(CLI::App* app) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 }
 
+// `--capabilities FILE.json` wherever --impl is taken: the declaration the implementation is held to (SPEC
+// "External implementations"), read after parsing so a malformed file is exit 2 naming the key.
+std::string capabilities_path;
 void add_timeout_option(CLI::App* app, sv::ImplementationOptions& options) {
   app->add_option("--case-timeout", options.case_timeout_s,
                   "exec: seconds one case may take before the program is killed and the case fails (default 120)");
+  app->add_option("--capabilities", capabilities_path,
+                  "FILE.json: what the implementation declares it supports (keys dtypes, bias, label_smoothing, "
+                  "empty_sequence, invalid_inputs, max_shape, deterministic; SPEC \"External implementations\"): cases "
+                  "outside it are excluded and counted, never failures. For one-shot exec: programs and any --impl; a "
+                  "persistent exec: program is otherwise asked through the capabilities handshake");
 }
 
 void add_threads_option(CLI::App* app, int& threads) {
@@ -170,8 +180,10 @@ struct ProfileArgs {
 };
 
 void add_profile_options(CLI::App* app, ProfileArgs& p) {
-  app->add_option("--profile", p.profile, "strict (bounds derived from dtypes and shapes) or peer (atol = rtol = 5e-3)")
-      ->check(CLI::IsMember({"strict", "peer"}));
+  app->add_option("--profile", p.profile,
+                  "strict (bounds derived from dtypes and shapes, fp32 logits), bf16_logits (the same derivation for logits "
+                  "rounded to bf16 before the softmax, as TRL's eager loss and Liger do) or peer (atol = rtol = 5e-3)")
+      ->check(CLI::IsMember({"strict", "bf16_logits", "peer"}));
   p.rtol_option = app->add_option("--rtol", p.rtol, "user tolerance: |candidate - exact| <= atol + rtol |exact| (replaces --profile)");
   p.atol_option = app->add_option("--atol", p.atol, "user tolerance, see --rtol");
 }
@@ -193,7 +205,8 @@ int run_check(const CheckArgs& a) {
   simpo::reference::OffTargetSoftmax off_target;
   const simpo::TensorMap exact = sv::reference_outputs_for(problem, !a.forward_only, a.reference_outputs, progress, &off_target);
   if (progress) std::fprintf(stderr, "\n");
-  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, off_target.norm.empty() ? nullptr : &off_target);
+  sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, off_target.norm.empty() ? nullptr : &off_target);
+  scales.prepare_for(profile, problem, exact);
   bool all_passed = true;
   std::size_t passed_count = 0;
   nlohmann::json documents = nlohmann::json::array();
@@ -294,7 +307,8 @@ int run_case(const CaseArgs& a) {
                seconds_since(start));
 
   start = std::chrono::steady_clock::now();
-  const sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, a.no_grad ? nullptr : &off_target);
+  sv::ProblemScales scales = sv::ProblemScales::of(problem, &exact, a.no_grad ? nullptr : &off_target);
+  scales.prepare_for(profile, problem, exact);
   const sv::Report report = sv::compare(scales, exact, candidate, profile);
   std::fprintf(stderr, "judged in %.3f s\n", seconds_since(start));
   if (a.json) {
@@ -355,7 +369,7 @@ struct SweepArgs {
   std::int64_t cases = 0;
   double time_budget = 0;
   std::string impl = "auto", counterexample_dir = "simpo-counterexamples";
-  bool stop = false, no_shrink = false;
+  bool stop = false, no_shrink = false, all_profiles = false;
   int threads = 0;
   sv::ImplementationOptions impl_options;
   ProfileArgs profile;
@@ -373,14 +387,58 @@ int run_sweep_command(const SweepArgs& a) {
   options.profile = a.profile.resolve();
   options.counterexample_dir = a.counterexample_dir;
   options.threads = a.threads;
+  if (a.all_profiles) options.also_profiles = sv::named_profiles();
   options.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("sweep", c, f, s); };
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
   std::cout << sv::format_sweep(r, impl.name);
-  std::printf("worst strict margin by tensor (error / bound, < 1 passes):\n");
-  for (const auto& [name, m] : r.worst_margin) std::printf("  %-22s %.3f\n", name.c_str(), m);
+  std::printf("worst %s margin by tensor (error / bound, < 1 passes):\n", options.profile.name().c_str());
+  for (const auto& [name, m] : r.worst_margin)
+    std::printf("  %-22s %.3f%s\n", name.c_str(), m,
+                m >= 0.5 && r.worst_margin_case.count(name) ? ("  (" + r.worst_margin_case.at(name).to_string() + ")").c_str() : "");
   std::printf("%lld passed, %lld failed\n", static_cast<long long>(total(r.passed)), static_cast<long long>(total(r.failed)));
   return r.failures.empty() ? 0 : 1;
+}
+
+// ---- report ----
+struct ReportArgs {
+  std::vector<std::string> impls;
+  std::vector<std::string> fixed;  // "B,T,H,V"
+  std::uint64_t seed = sv::SweepOptions{}.seed;
+  std::int64_t cases = 200;
+  std::string out = "simpo-peer-report";
+  bool no_shrink = false;
+  int threads = 0;
+  sv::ImplementationOptions impl_options;
+};
+
+int run_report(const ReportArgs& a) {
+  if (a.cases <= 0) throw InputError("report: --cases must be > 0");
+  sv::PeerReportOptions options;
+  options.sweep.seed = a.seed;
+  options.sweep.max_cases = a.cases;
+  options.sweep.time_budget_s = 0;
+  options.sweep.threads = a.threads;
+  options.shrink = !a.no_shrink;
+  for (const std::string& f : a.fixed) {
+    simpo::Shape s;
+    if (std::sscanf(f.c_str(), "%ld,%ld,%ld,%ld", &s.B, &s.T, &s.H, &s.V) != 4)
+      throw InputError("--fixed \"" + f + "\": expected B,T,H,V (e.g. 2,1024,4096,128256)");
+    simpo::validate_shape(s);
+    options.fixed.push_back(s);
+  }
+  std::vector<sv::Implementation> impls;
+  for (const std::string& name : a.impls) impls.push_back(sv::implementation_by_name(name, a.impl_options));
+  options.sweep.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("report", c, f, s); };
+  const auto results = sv::run_peer_report(impls, options);
+  std::fprintf(stderr, "\n");
+  const std::string markdown = sv::format_peer_markdown(results, options);
+  simpo::check_writable(a.out + ".md", {});
+  std::ofstream(a.out + ".md") << markdown;
+  std::ofstream(a.out + ".json") << sv::format_peer_json(results, options);
+  std::cout << markdown;
+  std::fprintf(stderr, "wrote %s.md and %s.json\n", a.out.c_str(), a.out.c_str());
+  return 0;
 }
 
 }  // namespace
@@ -479,7 +537,23 @@ int main(int argc, char** argv) {
   s->add_option("--counterexample-dir", sweep.counterexample_dir, "where failing cases' inputs files go");
   s->add_flag("--stop-at-first-failure", sweep.stop);
   s->add_flag("--no-shrink", sweep.no_shrink, "report failing cases as found");
+  s->add_flag("--all-profiles", sweep.all_profiles,
+              "also judge every case's outputs under every named profile (strict, bf16_logits, peer): one row per profile");
   add_profile_options(s, sweep.profile);
+
+  ReportArgs report;
+  auto* rp = app.add_subcommand("report", "the peer report: several implementations on the same case stream, judged under every "
+                                          "profile (strict, bf16_logits, peer), with exclusions, determinism, time per case and "
+                                          "each first disagreement shrunk; markdown and JSON");
+  rp->add_option("--impl", report.impls, "an implementation (repeat it): cpu, cuda, exec:COMMAND, ...")->required();
+  add_timeout_option(rp, report.impl_options);
+  add_reference_option(rp);
+  rp->add_option("--seed", report.seed, "sweep seed (the same stream for every implementation)");
+  rp->add_option("--cases", report.cases, "cases per implementation (default 200)");
+  rp->add_option("--fixed", report.fixed, "B,T,H,V: also judge this shape once (repeat it; the published case is 2,1024,4096,128256)");
+  rp->add_option("--out", report.out, "writes OUT.md and OUT.json (default simpo-peer-report)");
+  rp->add_flag("--no-shrink", report.no_shrink, "report first failures as found");
+  add_threads_option(rp, report.threads);
 
   try {
     app.parse(argc, argv);
@@ -497,6 +571,11 @@ int main(int argc, char** argv) {
     const simpo::reference::Device reference = simpo::reference::device_from_name(reference_device);
     if (reference == simpo::reference::Device::cuda) simpo::reference::resolve(reference);
     simpo::reference::set_default_device(reference);
+    if (!capabilities_path.empty()) {
+      const sv::Capabilities declared = sv::capabilities_from_file(capabilities_path);
+      for (sv::ImplementationOptions* o : {&job.impl_options, &compute.impl_options, &cs.impl_options, &sweep.impl_options, &report.impl_options})
+        o->capabilities = declared;
+    }
     if (*c) return run_compute(compute);
     if (*k) return run_check(check);
     if (*g) return run_case(cs);
@@ -518,6 +597,7 @@ int main(int argc, char** argv) {
     }
     if (*m) return run_mutants(mutants);
     if (*s) return run_sweep_command(sweep);
+    if (*rp) return run_report(report);
     return run_main_job(job);
   } catch (const InputError& e) {
     std::fprintf(stderr, "simpo-verify: error: %s\n", e.what());
