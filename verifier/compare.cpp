@@ -211,6 +211,10 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
         const bf16* c = cand.as<bf16>().data();
         return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(static_cast<float>(c[i])); });
       }
+      case DType::F16: {
+        const f16* c = cand.as<f16>().data();
+        return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(static_cast<float>(c[i])); });
+      }
       case DType::F32: {
         const float* c = cand.as<float>().data();
         return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(c[i]); });

@@ -88,6 +88,7 @@ Profile profile_from_name(const std::string& name) {
 double unit_roundoff(DType d) {
   switch (d) {
     case DType::BF16: return 0x1.0p-8;
+    case DType::F16: return 0x1.0p-11;
     case DType::F32: return 0x1.0p-24;
     case DType::F64: return 0x1.0p-53;
     case DType::I64: return 0;
@@ -138,12 +139,12 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
   auto& q = out.q;
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   Matrix w(s.V, s.H);
-  for (std::int64_t i = 0; i < s.V * s.H; ++i) w.data()[i] = static_cast<float>(p.weight[static_cast<std::size_t>(i)]);
+  for (std::int64_t i = 0; i < s.V * s.H; ++i) w.data()[i] = static_cast<float>(p.weight.value(static_cast<std::size_t>(i)));
   const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(s.N(), (std::int64_t{64} << 20) / (4 * s.V)));
   for (std::int64_t r0 = 0; r0 < s.N(); r0 += rows) {
     const std::int64_t m = std::min(rows, s.N() - r0);
     Matrix x(m, s.H);
-    for (std::int64_t i = 0; i < m * s.H; ++i) x.data()[i] = static_cast<float>(p.x[static_cast<std::size_t>(r0 * s.H + i)]);
+    for (std::int64_t i = 0; i < m * s.H; ++i) x.data()[i] = static_cast<float>(p.x.value(static_cast<std::size_t>(r0 * s.H + i)));
     Matrix z = x * w.transpose();
     for (std::int64_t i = 0; i < m; ++i) {
       const std::int64_t r = r0 + i;
@@ -152,7 +153,7 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
       double zmax = -INFINITY;
       std::vector<double> row(static_cast<std::size_t>(s.V));
       for (std::int64_t v = 0; v < s.V; ++v) {
-        row[static_cast<std::size_t>(v)] = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>((*p.bias)[static_cast<std::size_t>(v)])) : 0.0);
+        row[static_cast<std::size_t>(v)] = z(i, v) + (p.bias ? p.bias->value(static_cast<std::size_t>(v)) : 0.0);
         zmax = std::max(zmax, row[static_cast<std::size_t>(v)]);
       }
       double sum = 0;
@@ -180,22 +181,29 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact, const 
   s.hp = p.hp;
   const Shape& sh = p.shape;
   const std::int64_t H = sh.H;
-  auto row_norm = [H](const std::vector<bf16>& m, std::int64_t r) {
-    double sq = 0;
-    for (std::int64_t h = 0; h < H; ++h) {
-      const double v = static_cast<float>(m[static_cast<std::size_t>(r * H + h)]);
-      sq += v * v;
-    }
-    return std::sqrt(sq);
+  // Row norms of an [rows, H] input, whatever its dtype (one visit, not one per element).
+  auto row_norms = [H](const InputValues& input, std::int64_t rows) {
+    std::vector<double> norms(static_cast<std::size_t>(rows));
+    input.visit([&](const auto& m) {
+#pragma omp parallel for schedule(static)
+      for (std::int64_t r = 0; r < rows; ++r) {
+        double sq = 0;
+        for (std::int64_t h = 0; h < H; ++h) {
+          const double v = static_cast<float>(m[static_cast<std::size_t>(r * H + h)]);
+          sq += v * v;
+        }
+        norms[static_cast<std::size_t>(r)] = std::sqrt(sq);
+      }
+    });
+    return norms;
   };
-  double max_x = 0, max_w = 0, max_bias = 0;  // maxima of per-row sums: the same on any number of threads
-  std::vector<double> x_norm(static_cast<std::size_t>(sh.N()));
-#pragma omp parallel for schedule(static) reduction(max : max_x)
-  for (std::int64_t r = 0; r < sh.N(); ++r) max_x = std::max(max_x, x_norm[static_cast<std::size_t>(r)] = row_norm(p.x, r));
-#pragma omp parallel for schedule(static) reduction(max : max_w)
-  for (std::int64_t v = 0; v < sh.V; ++v) max_w = std::max(max_w, row_norm(p.weight, v));
+  double max_bias = 0;  // maxima of per-row sums: the same on any number of threads
+  const std::vector<double> x_norm = row_norms(p.x, sh.N());
+  const double max_x = x_norm.empty() ? 0.0 : *std::max_element(x_norm.begin(), x_norm.end());
+  const std::vector<double> w_norm = row_norms(p.weight, sh.V);
+  const double max_w = w_norm.empty() ? 0.0 : *std::max_element(w_norm.begin(), w_norm.end());
   if (p.bias)
-    for (auto b : *p.bias) max_bias = std::max(max_bias, std::fabs(static_cast<double>(static_cast<float>(b))));
+    for (std::size_t v = 0; v < p.bias->size(); ++v) max_bias = std::max(max_bias, std::fabs(p.bias->value(v)));
   s.logit_bound = max_x * max_w + max_bias;
 
   // The gradient magnitudes cost O(N H V) (off_target_mass): only when there are gradients to judge.
@@ -360,6 +368,7 @@ StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name,
 double round_to(DType dtype, double v) {
   switch (dtype) {
     case DType::BF16: return static_cast<double>(static_cast<float>(bf16(static_cast<float>(v))));
+    case DType::F16: return static_cast<double>(static_cast<float>(f16(static_cast<float>(v))));
     case DType::F32: return static_cast<double>(static_cast<float>(v));
     default: return v;
   }

@@ -58,9 +58,9 @@ DeviceInputs upload_inputs(const Problem& problem, cudaStream_t stream) {
   const Shape& s = problem.shape;
   const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
   DeviceInputs in;
-  in.x = upload_rows(problem.x, N, H, ld_h, "x", stream);
-  in.weight = upload_rows(problem.weight, V, H, ld_h, "weight", stream);
-  if (problem.has_bias()) in.bias = upload_rows(*problem.bias, 1, V, V, "bias", stream);
+  in.x = upload_rows(problem.x.as<bf16>(), N, H, ld_h, "x", stream);
+  in.weight = upload_rows(problem.weight.as<bf16>(), V, H, ld_h, "weight", stream);
+  if (problem.has_bias()) in.bias = upload_rows(problem.bias->as<bf16>(), 1, V, V, "bias", stream);
   in.target = DeviceBuffer(static_cast<std::size_t>(N * 8), "target", stream);
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(in.target.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice, stream));
   DeviceProblem& d = in.problem;
@@ -105,6 +105,9 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
     throw InputError("mutants are implemented by the cpu backend (the cuda backend was asked for mutant " +
                      mutant_name(options.mutant) + ")");
   validate(problem, {.scan_values = options.validate});
+  if (problem.input_dtype() != DType::BF16)
+    throw InputError("the cuda backend takes bf16 inputs; these are " + input_dtype_name(problem.input_dtype()) +
+                     " (the cpu backend and the reference take f16 and f32)");
   if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
 
   const Shape& s = problem.shape;

@@ -40,7 +40,7 @@ TEST(CpuBackendSchedules, WorkspaceBudgetsGiveOneResult) {
 
 TEST(FusedEntryPoint, ValidateOffSkipsOnlyTheValueScan) {
   Problem problem = generate(spec_of({.B = 2, .T = 4, .H = 8, .V = 16}, 2.0, 52));
-  problem.x[5] = bf16(NAN);
+  problem.x.as<bf16>()[5] = bf16(NAN);
   Options options = cpu_options();
   EXPECT_THROW(compute(problem, options), InputError);  // the scan names x and its first bad index
   options.validate = false;

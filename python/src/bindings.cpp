@@ -61,8 +61,8 @@ TensorMap tensors_from(const std::map<std::string, WireTensor>& wire) {
   return out;
 }
 
-// A Tensor -> (dtype name, shape, numpy array over a heap copy of its bytes: uint16 for BF16, float32, float64,
-// int64). The Python layer views the uint16 as bfloat16.
+// A Tensor -> (dtype name, shape, numpy array over a heap copy of its bytes: uint16 for BF16 and F16, float32,
+// float64, int64). The Python layer views the uint16 as bfloat16 or float16.
 template <class T> nb::object numpy_of(const Tensor& t) {
   using Bytes = decltype(Tensor::bytes);  // a vector of bytes (its allocator is problem/tensor.h's business)
   auto* copy = new Bytes(t.bytes);
@@ -75,7 +75,8 @@ template <class T> nb::object numpy_of(const Tensor& t) {
 nb::tuple wire_of(const Tensor& t) {
   nb::object array;
   switch (t.dtype) {
-    case DType::BF16: array = numpy_of<std::uint16_t>(t); break;
+    case DType::BF16:
+    case DType::F16: array = numpy_of<std::uint16_t>(t); break;
     case DType::F32: array = numpy_of<float>(t); break;
     case DType::F64: array = numpy_of<double>(t); break;
     case DType::I64: array = numpy_of<std::int64_t>(t); break;

@@ -70,7 +70,7 @@ def test_integer_targets_are_widened():
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda x, w, t: (x[:3], w, t[:3]), "B must be even"),
-    (lambda x, w, t: (x.astype(np.float32), w, t), "x is F32, SPEC says BF16"),
+    (lambda x, w, t: (x.astype(np.float32), w, t), "x is F32 but weight is BF16"),
     (lambda x, w, t: (x, w, np.where(np.arange(t.shape[1]) < 99, -100, t)), "has no completion token"),
     (lambda x, w, t: (x, w, np.where(t >= 0, t + 1000, t)), "is outside [0, V)"),
     (lambda x, w, t: (x, w[:, :5], t), "shapes disagree"),

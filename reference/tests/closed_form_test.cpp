@@ -58,8 +58,8 @@ TEST_P(TwoTokenVocabulary, MatchesClosedForm) {
   Problem problem;
   problem.shape = {2, 1, 1, 2};
   problem.hp = hp;
-  problem.x = {bf16(a), bf16(b)};
-  problem.weight = {bf16(w0), bf16(w1)};
+  problem.x = std::vector<bf16>{bf16(a), bf16(b)};
+  problem.weight = std::vector<bf16>{bf16(w0), bf16(w1)};
   if (param.bias) problem.bias = std::vector<bf16>{bf16(b0), bf16(b1)};
   problem.target = {param.chosen_empty ? hp.ignore_index : 0, param.rejected_empty ? hp.ignore_index : 1};
 
@@ -132,11 +132,11 @@ TEST(UniformLogits, MatchesClosedForm) {
   problem.shape = {B, T, H, V};
   problem.hp = hyperparameters(1.5, 0.7, 0.8, 0.1, 2.0);
   const std::int64_t I = problem.hp.ignore_index;
-  problem.x = {bf16(0.5f), bf16(-1.0f), bf16(2.0f), bf16(0.25f), bf16(-0.75f), bf16(1.5f),
+  problem.x = std::vector<bf16>{bf16(0.5f), bf16(-1.0f), bf16(2.0f), bf16(0.25f), bf16(-0.75f), bf16(1.5f),
                bf16(1.0f), bf16(3.0f),  bf16(-2.0f), bf16(0.5f), bf16(0.125f), bf16(-1.25f),
                bf16(-0.5f), bf16(1.0f), bf16(0.75f), bf16(2.5f), bf16(-3.0f), bf16(0.5f),
                bf16(1.75f), bf16(-0.25f), bf16(0.0f), bf16(1.0f), bf16(-1.5f), bf16(2.0f)};
-  problem.weight.assign(V * H, bf16(0.0f));
+  problem.weight.as<bf16>().assign(V * H, bf16(0.0f));
   problem.bias = std::vector<bf16>(V, bf16(0.75f));
   problem.target = {1, I, 4, /**/ 0, 2, 3, /**/ I, I, 2, /**/ 4, 4, I};
   const std::vector<std::int64_t> tokens = {2, 3, 1, 2};
@@ -158,7 +158,7 @@ TEST(UniformLogits, MatchesClosedForm) {
       for (std::int64_t v = 0; v < V; ++v) {
         const double dz = k * ((v == target ? 1.0 : 0.0) - 1.0 / V);
         grad_bias[v] += dz;
-        for (std::int64_t h = 0; h < H; ++h) grad_w[v * H + h] += dz * static_cast<float>(problem.x[(b * T + t) * H + h]);
+        for (std::int64_t h = 0; h < H; ++h) grad_w[v * H + h] += dz * static_cast<float>(problem.x.as<bf16>()[(b * T + t) * H + h]);
       }
     }
 
@@ -191,8 +191,8 @@ TEST(UniformLogits, MatchesClosedForm) {
 TEST(LargeLogits, StayFiniteAndKeepTinyValuesRelativelyExact) {
   Problem problem;
   problem.shape = {2, 1, 1, 2};
-  problem.x = {bf16(32.0f), bf16(16.0f)};
-  problem.weight = {bf16(32.0f), bf16(-8.0f)};
+  problem.x = std::vector<bf16>{bf16(32.0f), bf16(16.0f)};
+  problem.weight = std::vector<bf16>{bf16(32.0f), bf16(-8.0f)};
   problem.target = {1, 0};
   const double q = std::exp(-640.0);
   ASSERT_GT(q, 0.0);

@@ -54,6 +54,9 @@ template <class T> std::vector<T> take_sequences(const std::vector<T>& flat, std
   for (std::int64_t b : order) out.insert(out.end(), flat.begin() + b * width, flat.begin() + (b + 1) * width);
   return out;
 }
+InputValues take_sequences(const InputValues& flat, std::int64_t width, const std::vector<std::int64_t>& order) {
+  return flat.visit([&](const auto& values) { return InputValues(take_sequences(values, width, order)); });
+}
 
 TEST(Invariance, ConstantAddedToEveryBiasChangesOnlyTheLogitsMeans) {
   const Problem problem = make_problem(21, interesting_hp());
