@@ -28,10 +28,10 @@ constexpr double scalar_safety = 4.0;
 
 // Gradients: the candidate's error has four parts (README "Error model"):
 //   its own final rounding to the output dtype: the floor, measured on the exact values (floor_abs)
-//   bf16 GEMM operands (dz, as tensor cores need them): each dz element rounds with relative error of rms
-//     u(bf16) / sqrt(3) at most (mantissa 1.0; expected_rounding_error is the typical 0.42 u, but k is the same
-//     for every row of a sequence, so with a peaked softmax many dz share one mantissa and one rounding error),
-//     moving the gradient by ~ operand_rounding * M (M: ProblemScales::gradient_magnitude)
+//   GEMM operands in the inputs' dtype (dz, as tensor cores need them): each dz element rounds with relative
+//     error of rms u(dtype) / sqrt(3) at most (mantissa 1.0; expected_rounding_error is the typical 0.42 u, but k
+//     is the same for every row of a sequence, so with a peaked softmax many dz share one mantissa and one
+//     rounding error), moving the gradient by ~ ProblemScales::operand_rounding() * M_op
 //   fp32 logit and log-sum-exp noise: each dz moves by |k| e_l:                      e_l * M
 //   fp32 accumulation over the reduction length K:                                  sqrt(K) u32 * 2 M
 // bound_abs = gradient_safety (1 + small_sample / sqrt(n)) hypot(floor_abs, op M) + scalar_safety e_l M +
@@ -43,7 +43,6 @@ constexpr double gradient_safety = 1.5;
 // few bits subnormals have (k can be ~1e-38 when beta (c - r) saturates the sigmoid). Every element may be
 // off by this much in absolute terms.
 constexpr double underflow = 0x1.0p-120;
-const double operand_rounding = 0x1.0p-8 / std::sqrt(3.0);
 constexpr double small_sample = 3.0;
 constexpr double accumulation_safety = 4.0;
 
@@ -179,6 +178,7 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact, const 
   ProblemScales s;
   s.shape = p.shape;
   s.hp = p.hp;
+  s.input_dtype = p.input_dtype();
   const Shape& sh = p.shape;
   const std::int64_t H = sh.H;
   // Row norms of an [rows, H] input, whatever its dtype (one visit, not one per element).
@@ -312,23 +312,40 @@ double ProblemScales::operand_magnitude(const std::string& name) const {
   return 0;
 }
 
+// bf16 and f16 products are exact in fp32 (8 + 8 and 11 + 11 significant bits <= 24); f32 products each round
+// by u32 relative, |sum_h delta_h x_h w_vh| <= u32 sum_h |x_h w_vh| <= u32 Z (worst case, not sqrt(H): an FMA has
+// no product rounding at all, a plain multiply-add does).
+double ProblemScales::logit_error() const {
+  const double H = static_cast<double>(shape.H);
+  return (std::sqrt(H) + (input_dtype == DType::F32 ? 1.0 : 0.0)) * u32 * logit_bound;
+}
+
 double ProblemScales::logprob_error() const {
   const double Z = logit_bound;
-  const double H = static_cast<double>(shape.H), V = static_cast<double>(shape.V);
-  const double e_z = std::sqrt(H) * u32 * Z;
+  const double V = static_cast<double>(shape.V);
+  const double e_z = logit_error();
   const double e_lse = e_z + u32 * (2 * std::sqrt(V) + Z + std::log(V));
   return e_z + e_lse;
+}
+
+// bf16 and f16 inputs: dz rounded to the inputs' dtype for the tensor cores, rms <= u(dtype) / sqrt(3). f32
+// inputs: dz in fp32 (u32 / sqrt(3)) and each product dz w or dz x rounded in fp32 (another u32 / sqrt(3),
+// independent): sqrt(2/3) u32.
+double ProblemScales::operand_rounding() const {
+  if (input_dtype == DType::F32) return std::sqrt(2.0 / 3.0) * u32;
+  return unit_roundoff(input_dtype) / std::sqrt(3.0);
 }
 
 double gradient_internal_error(const ProblemScales& scales, const std::string& name) {
   const double M = scales.gradient_magnitude(name);
   const double K = static_cast<double>(reduction_length(scales.shape, name));
-  return operand_rounding * scales.operand_magnitude(name) + scalar_safety * scales.logprob_error() * M +
+  return scales.operand_rounding() * scales.operand_magnitude(name) + scalar_safety * scales.logprob_error() * M +
          accumulation_safety * std::sqrt(K) * u32 * 2 * M + scales.k_error(name);
 }
 
 // Forward error of the fp32 pipeline, per quantity (README "Error model" has the derivation):
-//   each logit: an H-term fp32 dot product of exact bf16 products plus the bias:   e_z   = sqrt(H) u Z
+//   each logit: an H-term fp32 dot product of exact bf16/f16 products plus the bias: e_z = sqrt(H) u Z
+//   (f32 inputs: + u Z for the products' own rounding, ProblemScales::logit_error)
 //   row lse = max + log sum exp(z - max): e_z from the logits it reads, sqrt(V) u from the V-term sum of
 //   terms <= 1, u |lse| <= u (Z + ln V) from the final add:                      e_lse = e_z + u (2 sqrt(V) + Z + ln V)
 //   token log-prob l = z_t - lse:                                                   e_l   = e_z + e_lse
@@ -340,10 +357,9 @@ double gradient_internal_error(const ProblemScales& scales, const std::string& n
 StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name, DType dtype) {
   const Shape& s = scales.shape;
   const double Z = scales.logit_bound;
-  const double H = static_cast<double>(s.H), V = static_cast<double>(s.V);
-  const double e_z = std::sqrt(H) * u32 * Z;
-  const double e_lse = e_z + u32 * (2 * std::sqrt(V) + Z + std::log(V));
-  const double e_l = e_z + e_lse;
+  const double V = static_cast<double>(s.V);
+  const double e_z = scales.logit_error();
+  const double e_l = scales.logprob_error();
   StrictBounds b;
   b.rtol = 2 * unit_roundoff(dtype);
   if (name == output_name::loss) {
@@ -377,7 +393,7 @@ double round_to(DType dtype, double v) {
 double gradient_frob_bound_abs(const ProblemScales& scales, const std::string& name, double floor_abs, std::int64_t n) {
   const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
   const double M = scales.gradient_magnitude(name);
-  const double op = operand_rounding * scales.operand_magnitude(name);
+  const double op = scales.operand_rounding() * scales.operand_magnitude(name);
   const double K = static_cast<double>(reduction_length(scales.shape, name));
   return gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(floor_abs, op) +
          scalar_safety * scales.logprob_error() * M + accumulation_safety * std::sqrt(K) * u32 * 2 * M +
@@ -395,7 +411,7 @@ double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double ro
   const double acc = accumulation_safety * std::sqrt(static_cast<double>(scales.shape.V)) * u32 * 2;
   const double k = scales.row_k[static_cast<std::size_t>(row)], q = scales.row_q[static_cast<std::size_t>(row)];
   const double dk = scales.row_dk.empty() ? 0.0 : scales.row_dk[static_cast<std::size_t>(row)];
-  return gradient_safety * row_sample * std::hypot(row_floor_abs, operand_rounding * k * q * W) + scalar_safety * e_l * k * W +
+  return gradient_safety * row_sample * std::hypot(row_floor_abs, scales.operand_rounding() * k * q * W) + scalar_safety * e_l * k * W +
          acc * k * W + underflow * std::sqrt(H) + 2 * dk * W;
 }
 
