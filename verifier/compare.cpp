@@ -116,8 +116,8 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
       const double bound_abs = gradient_frob_bound_abs(scales, name, std::sqrt(sum_floor_sq), n);
       r.frob_bound = norm > 0 ? bound_abs / norm : 0.0;
       // Elementwise: the whole internal budget may land on one element (a Frobenius norm bounds every element);
-      // the element's own rounding is rtol.
-      r.atol = gradient_elementwise_atol(scales, name);
+      // the element's own rounding is rtol (and, below the smallest normal, strict_bounds' atol).
+      r.atol = gradient_elementwise_atol(scales, name) + b.atol;
       if (norm == 0) r.frob_bound = -1;  // all-zero exact gradient: judged elementwise (atol = 0 when k = 0)
     }
   } else {

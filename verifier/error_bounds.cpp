@@ -376,6 +376,9 @@ StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name,
     b.atol = scalar_safety * (e_z + u32 * (std::sqrt(V) + std::log2(M)) * Z);
   } else {  // gradients: relative to the tensor's own size, filled in by compare
     b.rtol = unit_roundoff(dtype);
+    // The element's own rounding below the smallest normal is absolute, half the subnormal spacing: 2^-25 for
+    // f16, whose subnormals start at 6e-5 (gradients are often smaller); bf16's and f32's are below 1e-40.
+    b.atol = dtype == DType::F16 ? 0x1.0p-25 : dtype == DType::BF16 ? 0x1.0p-134 : dtype == DType::F32 ? 0x1.0p-150 : 0.0;
     b.frob_bound = 0;
   }
   return b;

@@ -105,7 +105,8 @@ double gradient_internal_error(const ProblemScales&, const std::string& name);
 
 // The strict tolerances for one output tensor of a candidate with dtype `candidate_dtype`.
 struct StrictBounds {
-  double atol = 0, rtol = 0;      // elementwise; for gradients atol is set later from the tensor's rms
+  double atol = 0, rtol = 0;      // elementwise; for gradients atol is the output dtype's subnormal rounding,
+                                  // to which compare adds the internal budget
   double atol_per_rms = 0;        // gradients: atol = atol_per_rms * rms(exact)
   double frob_bound = -1;         // gradients: rel_frob <= frob_bound (floor-dependent, filled by compare); -1: unused
 };
