@@ -138,12 +138,16 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
   auto& q = out.q;
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   Matrix w(s.V, s.H);
-  for (std::int64_t i = 0; i < s.V * s.H; ++i) w.data()[i] = static_cast<float>(p.weight.value(static_cast<std::size_t>(i)));
+  p.weight.visit([&](const auto& values) {
+    for (std::int64_t i = 0; i < s.V * s.H; ++i) w.data()[i] = static_cast<float>(values[static_cast<std::size_t>(i)]);
+  });
   const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(s.N(), (std::int64_t{64} << 20) / (4 * s.V)));
   for (std::int64_t r0 = 0; r0 < s.N(); r0 += rows) {
     const std::int64_t m = std::min(rows, s.N() - r0);
     Matrix x(m, s.H);
-    for (std::int64_t i = 0; i < m * s.H; ++i) x.data()[i] = static_cast<float>(p.x.value(static_cast<std::size_t>(r0 * s.H + i)));
+    p.x.visit([&](const auto& values) {
+      for (std::int64_t i = 0; i < m * s.H; ++i) x.data()[i] = static_cast<float>(values[static_cast<std::size_t>(r0 * s.H + i)]);
+    });
     Matrix z = x * w.transpose();
     for (std::int64_t i = 0; i < m; ++i) {
       const std::int64_t r = r0 + i;
