@@ -77,9 +77,11 @@ TEST(CpuBackendDtypes, TheBf16PathOnF32InputsFailsStrict) {
   through_bf16[output_name::grad_x] = std::move(gx32);
   const TensorMap exact = reference::compute(problem);
   const verifier::Report r = verifier::compare(problem, exact, through_bf16, verifier::strict_profile());
-  for (const auto& t : r.tensors)
-    if (t.name != output_name::chosen_logits_mean && t.name != output_name::rejected_logits_mean)
+  for (const auto& t : r.tensors) {
+    if (t.name != output_name::chosen_logits_mean && t.name != output_name::rejected_logits_mean) {
       EXPECT_EQ(t.verdict, verifier::Verdict::failed) << t.name << "\n" << verifier::format_table(r);
+    }
+  }
   const verifier::Report own = verifier::compare(problem, exact, compute(problem, cpu_options()), verifier::strict_profile());
   EXPECT_TRUE(own.passed()) << verifier::format_table(own);
 }
