@@ -183,7 +183,7 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
   return r;
 }
 
-TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
+TensorReport measure_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
                             const Tensor& cand, const Profile& profile) {
   TensorReport r;
   r.name = name;
@@ -228,6 +228,20 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
   }
   return measure(scales, name, exact, cand, profile, r, [&](std::int64_t i) { return exact.value(i); },
                  [&](std::int64_t i) { return cand.value(i); });
+}
+
+// SPEC gives the gradients the inputs' dtype (or F32): under strict, a gradient in a coarser dtype than the inputs'
+// (bf16 gradients of f32 inputs) fails, whatever its error at that dtype's floor; the measurements stay.
+TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
+                            const Tensor& cand, const Profile& profile) {
+  TensorReport r = measure_tensor(scales, name, exact, cand, profile);
+  if (profile.kind == ProfileKind::strict && is_gradient_output(name) && r.verdict == Verdict::passed &&
+      unit_roundoff(cand.dtype) > unit_roundoff(scales.input_dtype)) {
+    r.verdict = Verdict::failed;
+    r.reason = name + " is " + dtype_name(cand.dtype) + " but the inputs are " + dtype_name(scales.input_dtype) +
+               ": SPEC gives gradients the inputs' dtype (or F32)";
+  }
+  return r;
 }
 
 }  // namespace

@@ -272,6 +272,19 @@ TEST(ErrorModel, F32CandidateIsHeldToF32) {
   for (const char* name : {"grad_x", "grad_weight", "grad_bias"})
     EXPECT_EQ(find(bf16_digits, name).verdict, Verdict::failed) << name << "\n" << format_table(bf16_digits);
 
+  // SPEC gives gradients the inputs' dtype: the exact gradients rounded to BF16 (at their own floor, which a bf16
+  // candidate passes with) fail for f32 inputs, the reason saying why; F32 gradients of bf16 inputs are allowed.
+  const Report coarser = compare(f.problem, f.exact, rounded(f.exact), strict_profile());
+  for (const char* name : {"grad_x", "grad_weight", "grad_bias"}) {
+    const TensorReport t = find(coarser, name);
+    EXPECT_EQ(t.verdict, Verdict::failed) << name;
+    EXPECT_NE(t.reason.find("BF16 but the inputs are F32"), std::string::npos) << t.reason;
+    EXPECT_NEAR(t.ratio, 1.0, 1e-9) << name;  // measured all the same
+  }
+  EXPECT_EQ(find(coarser, "loss").verdict, Verdict::passed);
+  const Fixture& bf = fixture();
+  EXPECT_TRUE(compare(bf.problem, bf.exact, stored_as(bf.exact, DType::F32, DType::F32), strict_profile()).passed());
+
   // A candidate that rounds the f32 inputs to bf16 and then computes exactly: the quantization of its inputs is
   // the error f32 arithmetic does not make.
   const Fixture quantized = fixture_in(DType::BF16);  // the same draws, rounded to bf16
