@@ -98,7 +98,7 @@ def _name_of(fn) -> str:
 def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arrays="numpy", device=None,
           time_budget_s=0.0, shrink=True, shrink_attempts=150, shrink_seconds=60.0,
           counterexample_dir="simpo-counterexamples", name=None, stop_at_first_failure=False,
-          verbose_refusals=False, shapes=(), hyperparameter_sets=0) -> SweepReport:
+          verbose_refusals=False, shapes=(), hyperparameter_sets=0, dtypes=()) -> SweepReport:
     """Runs `cases` random cases (SPEC's properties against the float64 reference; at most time_budget_s seconds
     when > 0) against fn, shrinking the first failure of each property to a small counterexample whose inputs
     file goes to counterexample_dir ("" writes none).
@@ -117,6 +117,8 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
     hyperparameters one of that many fixed draws per shape (for an implementation that specializes on their
     values); 0 draws them for every case. Both are the C++ case distribution's (verifier/case.h,
     CaseDistribution); the shrinker is not held to them: a shrunk counterexample may have any shape.
+    dtypes: the input dtypes cases draw from ("bf16", "f16", "f32"; each case one, uniformly), so fn is called with
+    float16 or float32 arrays too; () draws bf16 only, the same cases as ever.
     """
     for p in (profile, *also_judge):
         if p not in ("strict", "peer"):
@@ -139,5 +141,5 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
         shape_list.append(tuple(int(v) for v in sh))
     raw = _core.sweep(case, name, seed, cases, time_budget_s, shrink, counterexample_dir or "",
                       stop_at_first_failure, profile, judged, shrink_attempts, shrink_seconds, shape_list,
-                      int(hyperparameter_sets))
+                      int(hyperparameter_sets), [str(d) for d in dtypes])
     return SweepReport(raw, profile)

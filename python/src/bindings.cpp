@@ -209,7 +209,7 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
                bool shrink, const std::string& counterexample_dir, bool stop_at_first_failure,
                const std::string& profile_name, const std::vector<std::string>& also_judge, int shrink_attempts,
                double shrink_seconds, const std::vector<std::array<std::int64_t, 4>>& shapes,
-               int hyperparameter_sets) {
+               int hyperparameter_sets, const std::vector<std::string>& dtypes) {
   const sv::Profile profile = sv::profile_from_name(profile_name);
   const std::string profile_flags = profile.kind == sv::ProfileKind::strict ? "" : " --profile " + profile.name();
   auto record = also_judge.empty() ? nullptr : std::make_shared<Recorded>();
@@ -229,6 +229,13 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   if (hyperparameter_sets < 0)
     throw InputError("hyperparameter_sets = " + std::to_string(hyperparameter_sets) + ": expected 0 (drawn per case) or more");
   options.distribution.hyperparameter_sets = hyperparameter_sets;
+  for (const std::string& dtype : dtypes) {
+    try {
+      options.distribution.dtypes.push_back(simpo::input_dtype_from_name(dtype));
+    } catch (const InputError& e) {
+      throw InputError(std::string("dtypes: ") + e.what());
+    }
+  }
   nb::dict d;
   nb::list failures;
   {
@@ -512,5 +519,5 @@ NB_MODULE(_core, m) {
 
   m.def("sweep", &sweep, "fn"_a, "name"_a, "seed"_a, "cases"_a, "time_budget_s"_a, "shrink"_a,
         "counterexample_dir"_a, "stop_at_first_failure"_a, "profile"_a, "also_judge"_a, "shrink_attempts"_a, "shrink_seconds"_a,
-        "shapes"_a, "hyperparameter_sets"_a);
+        "shapes"_a, "hyperparameter_sets"_a, "dtypes"_a);
 }
