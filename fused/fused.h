@@ -1,4 +1,5 @@
-// The optimized implementation: chunked, bf16 in, fp32 accumulation, never the whole [B*T, V] logits.
+// The optimized implementation: chunked, bf16 in (cpu: f16 and f32 too), fp32 accumulation, never the whole
+// [B*T, V] logits.
 // Two backends run one algorithm: `cuda` (cuBLASLt + our kernels, the product) and `cpu` (the same chunk
 // schedule and numerics in portable C++, for CI and GPU-less machines). The per-token and per-sequence math
 // both use lives in fused/simpo_math.h.
@@ -48,7 +49,7 @@ inline constexpr std::int64_t min_workspace_bytes = std::int64_t{64} << 20;     
 struct Options {
   Backend backend = Backend::automatic;
   bool gradients = true;           // false: forward only (loss and auxiliary outputs)
-  bool grad_weight_f32 = false;    // grad_weight and grad_bias in F32 instead of BF16
+  bool grad_weight_f32 = false;    // grad_weight and grad_bias in F32 instead of the inputs' dtype
   bool validate = true;            // false skips only the NaN/Inf scan of the inputs (SPEC)
   // Scratch the algorithm may hold at once (chunk logits, dz, per-chunk grad_x). The grad_weight accumulator is
   // extra: the output itself when F32 is asked for, else on cuda lo of a bf16 hi/lo pair (V*H*2 bytes, sm_90) or an
@@ -70,7 +71,7 @@ struct Options {
   // eighth of dz's own bf16 rounding); the scalars do not change. On cuda the full step then keeps 2 bytes per logit
   // (where the promoted GEMM's epilogue statistics run and V % 8 == 0; elsewhere fp32 logits): half the store and
   // dz's read, twice the rows per chunk, the faster step (fused/cuda/BENCHMARKS.md). On cpu dz takes the same
-  // rounding, so the backends compute the same numbers.
+  // rounding, so the backends compute the same numbers. bf16 inputs only: f16 and f32 keep dz from fp32 logits.
   bool logit_distances = true;
   Mutant mutant = Mutant::none;
 };
@@ -79,7 +80,9 @@ bool cuda_built();      // the cuda backend was built (nvcc at configure time)
 bool cuda_available();  // a CUDA device is present and the cuda backend was built
 Backend resolve(Backend);  // automatic -> cuda when available, else cpu; cuda without a device: InputError
 
-// SPEC's outputs: scalars and per-pair tensors F32, grad_x BF16, grad_weight/grad_bias BF16 or F32.
+// SPEC's outputs: scalars and per-pair tensors F32, grad_x in the inputs' dtype, grad_weight/grad_bias in the
+// inputs' dtype or F32. The cuda backend takes bf16 inputs (f16/f32: an InputError naming the dtype); the cpu
+// backend every input dtype.
 TensorMap compute(const Problem&, const Options& = {});
 
 // Inputs already on a CUDA device (torch, CuPy): the cuda backend on caller-owned device memory, nothing copied

@@ -115,8 +115,8 @@ SIMPO_HOST_DEVICE inline T row_coefficient(T grad_scale, bool completion, T avg_
   return grad_scale * (avg_grad / T(completion_tokens) - nll_weight);
 }
 
-// dz off the target column: -k * softmax_v = -k * exp(z_v - lse). The caller rounds it to bf16 for the GEMMs
-// and writes 0 in the target column (whose value comes from target_coefficient, below).
+// dz off the target column: -k * softmax_v = -k * exp(z_v - lse). For bf16 inputs the caller rounds it to bf16
+// for the GEMMs (f16 and f32 inputs: the cpu backend keeps it fp32) and writes 0 in the target column (whose value comes from target_coefficient, below).
 template <class T> SIMPO_HOST_DEVICE inline T softmax_gradient(T k, T z, T lse) { return -k * exp_(z - lse); }
 
 // dz in the target column: c = k (1 - p_target) = k * (-expm1(z_target - lse)). Computing 1 - p with expm1

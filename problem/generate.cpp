@@ -11,10 +11,10 @@ namespace simpo {
 
 namespace {
 
-// out[i] = bf16(scale * normal()) for the next out.size() normals of `rng`, the same bits as the sequential loop,
+// out[i] = T(float(scale * normal())) for the next out.size() normals of `rng`, the same bits as the sequential loop,
 // on every core: normal() takes two draws, so block j of the array starts from rng skipped 2 * (its offset)
 // draws. The published workload's weight is 525M normals (20 s on one core).
-void fill_normals(Rng& rng, std::span<bf16> out, double scale) {
+template <class T> void fill_normals(Rng& rng, std::span<T> out, double scale) {
   const auto n = static_cast<std::int64_t>(out.size());
   constexpr std::int64_t block = std::int64_t{1} << 16;
   const Rng start = rng;
@@ -23,7 +23,7 @@ void fill_normals(Rng& rng, std::span<bf16> out, double scale) {
     Rng r = start;
     r.skip(2 * static_cast<std::uint64_t>(b0));
     const std::int64_t b1 = std::min(n, b0 + block);
-    for (std::int64_t i = b0; i < b1; ++i) out[static_cast<std::size_t>(i)] = bf16(static_cast<float>(scale * r.normal()));
+    for (std::int64_t i = b0; i < b1; ++i) out[static_cast<std::size_t>(i)] = T(static_cast<float>(scale * r.normal()));
   }
   rng.skip(2 * static_cast<std::uint64_t>(n));
 }
@@ -68,7 +68,9 @@ IgnorePattern ignore_pattern_from_name(const std::string& name) {
 
 Problem generate(const CaseSpec& spec) {
   const Shape& s = spec.shape;
-  require_memory(input_bytes(s, spec.bias), "generating the inputs of " + s.to_string());
+  if (!is_input_dtype(spec.dtype))
+    throw InputError("cannot generate " + dtype_name(spec.dtype) + " inputs: SPEC's input dtypes are bf16, f16, f32");
+  require_memory(input_bytes(s, spec.bias, spec.dtype), "generating the inputs of " + s.to_string());
   Rng rng(spec.seed);
   Problem p;
   p.shape = s;
@@ -76,15 +78,24 @@ Problem generate(const CaseSpec& spec) {
   p.seed = std::to_string(spec.seed);
   p.description = spec.description;
 
-  p.x.resize(static_cast<std::size_t>(s.N() * s.H));
-  fill_normals(rng, p.x, 1.0);
   // Each logit is a sum of H products of unit-variance x and weight of variance scale^2/H: std ~ scale.
   const double w_std = spec.logit_scale / std::sqrt(static_cast<double>(s.H));
-  p.weight.resize(static_cast<std::size_t>(s.V * s.H));
-  fill_normals(rng, p.weight, w_std);
-  if (spec.bias) {
-    p.bias.emplace(static_cast<std::size_t>(s.V));
-    fill_normals(rng, *p.bias, spec.logit_scale / 4);
+  auto inputs = [&]<class T>(T) {
+    std::vector<T> x(static_cast<std::size_t>(s.N() * s.H)), weight(static_cast<std::size_t>(s.V * s.H));
+    fill_normals<T>(rng, x, 1.0);
+    fill_normals<T>(rng, weight, w_std);
+    p.x = std::move(x);
+    p.weight = std::move(weight);
+    if (spec.bias) {
+      std::vector<T> bias(static_cast<std::size_t>(s.V));
+      fill_normals<T>(rng, bias, spec.logit_scale / 4);
+      p.bias = std::move(bias);
+    }
+  };
+  switch (spec.dtype) {
+    case DType::F16: inputs(f16()); break;
+    case DType::F32: inputs(0.0f); break;
+    default: inputs(bf16()); break;
   }
 
   // Completion targets never equal ignore_index (a custom ignore_index may lie inside [0, V)).

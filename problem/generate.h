@@ -25,13 +25,15 @@ struct CaseSpec {
   bool bias = false;
   double logit_scale = 2.0;  // target standard deviation of the logits (x and weight drawn to give it)
   IgnorePattern ignore = IgnorePattern::prompt_prefix;
+  DType dtype = DType::BF16;  // of x, weight and bias: BF16, F16 or F32 (the same draws, rounded to it)
   std::uint64_t seed = 0;
   std::string description;
 };
 
 // Deterministic in the spec alone. x ~ N(0,1), weight ~ N(0, logit_scale^2 / H), bias ~ N(0, (logit_scale/4)^2),
-// all rounded to bf16; targets uniform in [0, V) with the ignore pattern applied. The problem's `seed`
-// metadata records the seed. Throws InputError for a shape validate_shape rejects.
+// all rounded to the spec's dtype (through float: a bf16 case has the bits it always had); targets uniform in [0, V) with the ignore pattern applied. The problem's `seed`
+// metadata records the seed. Throws InputError for a shape validate_shape rejects or a dtype that is not an input
+// dtype.
 Problem generate(const CaseSpec&);
 
 // splitmix64: the project's one random source.

@@ -28,9 +28,42 @@ void validate_shape(const Shape& s) {
     throw InputError("invalid shape " + s.to_string() + ": too large (B*T*H and V*H must stay below 2^40)");
 }
 
-std::int64_t input_bytes(const Shape& s, bool bias) {
+DType InputValues::dtype() const {
+  return std::visit([](const auto& v) { return dtype_of<typename std::decay_t<decltype(v)>::value_type>(); }, values_);
+}
+
+std::size_t InputValues::size() const {
+  return std::visit([](const auto& v) { return v.size(); }, values_);
+}
+
+double InputValues::value(std::size_t i) const {
+  return std::visit([i](const auto& v) { return static_cast<double>(static_cast<float>(v[i])); }, values_);
+}
+
+void InputValues::wrong_dtype(DType wanted) const {
+  throw InputError("input values are " + dtype_name(dtype()) + ", read as " + dtype_name(wanted));
+}
+
+bool is_input_dtype(DType d) { return d == DType::BF16 || d == DType::F16 || d == DType::F32; }
+
+std::string input_dtype_name(DType d) {
+  switch (d) {
+    case DType::BF16: return "bf16";
+    case DType::F16: return "f16";
+    case DType::F32: return "f32";
+    default: return dtype_name(d);
+  }
+}
+
+DType input_dtype_from_name(const std::string& name) {
+  for (DType d : {DType::BF16, DType::F16, DType::F32})
+    if (name == input_dtype_name(d) || name == dtype_name(d)) return d;
+  throw InputError("unknown input dtype \"" + name + "\" (SPEC's input dtypes: bf16, f16, f32)");
+}
+
+std::int64_t input_bytes(const Shape& s, bool bias, DType dtype) {
   validate_shape(s);
-  return (s.N() * s.H + s.V * s.H + (bias ? s.V : 0)) * static_cast<std::int64_t>(sizeof(bf16)) +
+  return (s.N() * s.H + s.V * s.H + (bias ? s.V : 0)) * static_cast<std::int64_t>(dtype_size(dtype)) +
          s.N() * static_cast<std::int64_t>(sizeof(std::int64_t));
 }
 
@@ -59,7 +92,8 @@ void check_size(const char* name, std::size_t have, const std::vector<std::int64
                      std::to_string(want));
 }
 
-void check_finite(const char* name, const std::vector<bf16>& values, const std::vector<std::int64_t>& shape) {
+template <class T>
+void check_finite(const char* name, const std::vector<T>& values, const std::vector<std::int64_t>& shape) {
   // The scan on every core (the published weight is 525M values, scanned by every implementation's validate);
   // only a problem that has a non-finite value is walked again, in order, to name the first.
   const auto n = static_cast<std::int64_t>(values.size());
@@ -77,11 +111,27 @@ void check_finite(const char* name, const std::vector<bf16>& values, const std::
   }
 }
 
+void check_finite(const char* name, const InputValues& input, const std::vector<std::int64_t>& shape) {
+  input.visit([&](const auto& values) { check_finite(name, values, shape); });
+}
+
+// SPEC: x, weight and bias share one of the input dtypes; mixing them is an error naming both.
+void check_dtypes(const Problem& p) {
+  auto same = [&](const char* name, const InputValues& v) {
+    if (v.dtype() != p.x.dtype())
+      throw InputError("input dtypes disagree: x is " + dtype_name(p.x.dtype()) + " but " + name + " is " +
+                       dtype_name(v.dtype()) + " (x, weight and bias must share one dtype)");
+  };
+  same("weight", p.weight);
+  if (p.bias) same("bias", *p.bias);
+}
+
 }  // namespace
 
 void validate(const Problem& p, const ValidationOptions& options) {
   const Shape& s = p.shape;
   validate_shape(s);
+  check_dtypes(p);
   check_size("x", p.x.size(), {s.B, s.T, s.H});
   check_size("weight", p.weight.size(), {s.V, s.H});
   if (p.bias) check_size("bias", p.bias->size(), {s.V});

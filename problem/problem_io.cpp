@@ -37,13 +37,15 @@ bool parse_bool(const std::string& key, const std::string& text) {
   throw InputError("metadata " + key + " = \"" + text + "\" is not \"true\" or \"false\"");
 }
 
+// dtype: the one SPEC gives `name`; F32 stands for any of the input dtypes (BF16, F16, F32).
 const Tensor& require(const SafetensorsFile& f, const std::string& source, const std::string& name, DType dtype,
                       std::size_t rank) {
   auto it = f.tensors.find(name);
   if (it == f.tensors.end()) throw InputError(source + ": inputs file has no tensor \"" + name + "\"");
   const Tensor& t = it->second;
-  if (t.dtype != dtype)
-    throw InputError(source + ": " + name + " is " + dtype_name(t.dtype) + ", SPEC says " + dtype_name(dtype));
+  if (dtype == DType::I64 ? t.dtype != dtype : !is_input_dtype(t.dtype))
+    throw InputError(source + ": " + name + " is " + dtype_name(t.dtype) + ", SPEC says " +
+                     (dtype == DType::I64 ? dtype_name(dtype) : "BF16, F16 or F32"));
   if (t.shape.size() != rank)
     throw InputError(source + ": " + name + " has shape " + shape_string(t.shape) + ", SPEC says rank " +
                      std::to_string(rank));
@@ -91,6 +93,21 @@ template <class T> std::vector<T> values_of(const Tensor& t) {
   return {s.begin(), s.end()};
 }
 
+InputValues input_values(const Tensor& t) {
+  switch (t.dtype) {
+    case DType::BF16: return values_of<bf16>(t);
+    case DType::F16: return values_of<f16>(t);
+    default: return values_of<float>(t);  // require() let only the input dtypes through
+  }
+}
+
+Tensor input_tensor(std::vector<std::int64_t> shape, const InputValues& values) {
+  return values.visit([&](const auto& v) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    return Tensor::from<T>(std::move(shape), std::span<const T>(v));
+  });
+}
+
 }  // namespace
 
 Hyperparameters hyperparameters_from_metadata(const std::map<std::string, std::string>& metadata) {
@@ -113,8 +130,8 @@ Hyperparameters hyperparameters_from_metadata(const std::map<std::string, std::s
 }
 
 Problem problem_from_file(const SafetensorsFile& f, const std::string& source) {
-  const Tensor& x = require(f, source, "x", DType::BF16, 3);
-  const Tensor& w = require(f, source, "weight", DType::BF16, 2);
+  const Tensor& x = require(f, source, "x", DType::F32, 3);
+  const Tensor& w = require(f, source, "weight", DType::F32, 2);
   const Tensor& target = require(f, source, "target", DType::I64, 2);
   Problem p;
   p.shape = {x.shape[0], x.shape[1], x.shape[2], w.shape[0]};
@@ -125,13 +142,13 @@ Problem problem_from_file(const SafetensorsFile& f, const std::string& source) {
   };
   if (w.shape[1] != x.shape[2]) disagree("x", x, "weight", w, "H must match");
   if (target.shape[0] != x.shape[0] || target.shape[1] != x.shape[1]) disagree("x", x, "target", target, "B and T must match");
-  p.x = values_of<bf16>(x);
-  p.weight = values_of<bf16>(w);
+  p.x = input_values(x);
+  p.weight = input_values(w);
   p.target = values_of<std::int64_t>(target);
   if (f.tensors.count("bias")) {
-    const Tensor& b = require(f, source, "bias", DType::BF16, 1);
+    const Tensor& b = require(f, source, "bias", DType::F32, 1);
     if (b.shape[0] != w.shape[0]) disagree("weight", w, "bias", b, "V must match");
-    p.bias = values_of<bf16>(b);
+    p.bias = input_values(b);
   }
   for (const auto& [name, t] : f.tensors)
     if (name != "x" && name != "weight" && name != "bias" && name != "target")
@@ -151,9 +168,9 @@ Problem problem_from_file(const SafetensorsFile& f, const std::string& source) {
 SafetensorsFile problem_to_file(const Problem& p) {
   SafetensorsFile f;
   const Shape& s = p.shape;
-  f.tensors["x"] = Tensor::from<bf16>({s.B, s.T, s.H}, p.x);
-  f.tensors["weight"] = Tensor::from<bf16>({s.V, s.H}, p.weight);
-  if (p.bias) f.tensors["bias"] = Tensor::from<bf16>({s.V}, *p.bias);
+  f.tensors["x"] = input_tensor({s.B, s.T, s.H}, p.x);
+  f.tensors["weight"] = input_tensor({s.V, s.H}, p.weight);
+  if (p.bias) f.tensors["bias"] = input_tensor({s.V}, *p.bias);
   f.tensors["target"] = Tensor::from<std::int64_t>({s.B, s.T}, p.target);
   const Hyperparameters& hp = p.hp;
   f.metadata = {{"beta", format_double(hp.beta)},

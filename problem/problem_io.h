@@ -6,8 +6,9 @@
 
 namespace simpo {
 
-// Inputs file <-> Problem. Reading checks dtypes and shapes and parses every hyperparameter in
-// __metadata__ (absent ones take SPEC's defaults); it does not run validate().
+// Inputs file <-> Problem. Reading checks dtypes (x, weight, bias each BF16, F16 or F32; that they agree is
+// validate()'s, which names both) and shapes and parses every hyperparameter in __metadata__ (absent ones take
+// SPEC's defaults); it does not run validate().
 Problem problem_from_file(const SafetensorsFile&, const std::string& source_name);
 SafetensorsFile problem_to_file(const Problem&);
 // An inputs file's __metadata__ as hyperparameters (absent ones take SPEC's defaults; seed, description and other

@@ -1,5 +1,5 @@
 // The Hugging Face safetensors format (8-byte little-endian header length, JSON header, raw little-endian
-// data), with SPEC's dtypes BF16, F32, F64, I64. No C++ library for it is packaged here, so this is ours.
+// data), with SPEC's dtypes BF16, F16, F32, F64, I64. No C++ library for it is packaged here, so this is ours.
 // Every malformed file is an InputError naming the file and the problem, never a crash.
 #pragma once
 

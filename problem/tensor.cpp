@@ -9,6 +9,7 @@ namespace simpo {
 std::string dtype_name(DType d) {
   switch (d) {
     case DType::BF16: return "BF16";
+    case DType::F16: return "F16";
     case DType::F32: return "F32";
     case DType::F64: return "F64";
     case DType::I64: return "I64";
@@ -18,15 +19,17 @@ std::string dtype_name(DType d) {
 
 DType dtype_from_name(const std::string& name) {
   if (name == "BF16") return DType::BF16;
+  if (name == "F16") return DType::F16;
   if (name == "F32") return DType::F32;
   if (name == "F64") return DType::F64;
   if (name == "I64") return DType::I64;
-  throw InputError("unsupported dtype \"" + name + "\" (expected BF16, F32, F64 or I64)");
+  throw InputError("unsupported dtype \"" + name + "\" (expected BF16, F16, F32, F64 or I64)");
 }
 
 std::size_t dtype_size(DType d) {
   switch (d) {
     case DType::BF16: return 2;
+    case DType::F16: return 2;
     case DType::F32: return 4;
     case DType::F64: return 8;
     case DType::I64: return 8;
@@ -89,6 +92,7 @@ double Tensor::value(std::int64_t i) const {
   const auto* p = bytes.data() + static_cast<std::size_t>(i) * dtype_size(dtype);
   switch (dtype) {
     case DType::BF16: { bf16 v; std::memcpy(&v, p, 2); return static_cast<double>(static_cast<float>(v)); }
+    case DType::F16: { f16 v; std::memcpy(&v, p, 2); return static_cast<double>(static_cast<float>(v)); }
     case DType::F32: { float v; std::memcpy(&v, p, 4); return v; }
     case DType::F64: { double v; std::memcpy(&v, p, 8); return v; }
     case DType::I64: { std::int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }

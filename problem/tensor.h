@@ -3,7 +3,7 @@
 // without knowing which implementation wrote them.
 #pragma once
 
-#include <Eigen/Core>  // Eigen::bfloat16: the project's one bf16 type on the host
+#include <Eigen/Core>  // Eigen::bfloat16 and Eigen::half: the project's one bf16 and f16 types on the host
 
 #include <cstddef>
 #include <cstdint>
@@ -19,15 +19,17 @@
 namespace simpo {
 
 using bf16 = Eigen::bfloat16;
+using f16 = Eigen::half;
 
-enum class DType { BF16, F32, F64, I64 };
+enum class DType { BF16, F16, F32, F64, I64 };
 
-std::string dtype_name(DType);                  // "BF16", "F32", "F64", "I64" (safetensors spelling)
+std::string dtype_name(DType);                  // "BF16", "F16", "F32", "F64", "I64" (safetensors spelling)
 DType dtype_from_name(const std::string& name); // throws InputError on an unknown name
 std::size_t dtype_size(DType);
 
 template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<bf16>() { return DType::BF16; }
+template <> constexpr DType dtype_of<f16>() { return DType::F16; }
 template <> constexpr DType dtype_of<float>() { return DType::F32; }
 template <> constexpr DType dtype_of<double>() { return DType::F64; }
 template <> constexpr DType dtype_of<std::int64_t>() { return DType::I64; }

@@ -20,10 +20,10 @@ class RapidcheckChooser : public verifier::Chooser {
   std::uint64_t seed() override { return *rc::gen::inRange<std::uint64_t>(0, 1000000); }
 };
 
-inline rc::Gen<verifier::Case> gen_case() {
-  return rc::gen::exec([] {
+inline rc::Gen<verifier::Case> gen_case(verifier::CaseDistribution distribution = {}) {
+  return rc::gen::exec([distribution] {
     RapidcheckChooser chooser;
-    verifier::Case c = verifier::random_case(chooser);
+    verifier::Case c = verifier::random_case(chooser, distribution);
     c.spec.description = "property test case: " + c.to_string();
     return c;
   });

@@ -50,6 +50,17 @@ RC_GTEST_PROP(FusedCpu, DuplicatingPairsKeepsLossAndHalvesGradients, ()) {
 }
 RC_GTEST_PROP(FusedCpu, LossOnlyAgreesWithFull, ()) { expect_property(*gen_case(), cpu(), "loss_only_agrees"); }
 
+// SPEC's other input dtypes: every property on f16 and f32 inputs (gradients in that dtype, judged against bounds
+// for it; the run-to-run properties allow f16's subnormal rounding).
+RC_GTEST_PROP(FusedCpu, EveryPropertyHoldsForF16AndF32Inputs, ()) {
+  verifier::CaseDistribution d;
+  d.dtypes = {DType::F16, DType::F32};
+  const verifier::Case c = *gen_case(d);
+  RC_TAG(input_dtype_name(c.spec.dtype));
+  for (const char* p : {"matches_reference", "chunking_invariant", "ignored_rows_zero", "duplicate_pairs", "loss_only_agrees"})
+    expect_property(c, cpu(), p);
+}
+
 // The same invariances hold for the oracle itself (its chunk size plays max_chunk_rows).
 RC_GTEST_PROP(Reference, SatisfiesTheInvariances, ()) {
   const auto c = *gen_case();

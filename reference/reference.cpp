@@ -156,11 +156,13 @@ ForwardOutputs PairTerms::finish() const {
   return out;
 }
 
-std::vector<double> widen(std::span<const bf16> values) {
-  std::vector<double> out(values.size());
-  const auto n = static_cast<std::int64_t>(values.size());
+std::vector<double> widen(const InputValues& input) {
+  std::vector<double> out(input.size());
+  input.visit([&out](const auto& values) {
+    const auto n = static_cast<std::int64_t>(values.size());
 #pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(values[i]));
+    for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(values[i]));  // exact
+  });
   return out;
 }
 
@@ -395,11 +397,18 @@ TensorMap compute(const Problem& problem, const Options& options) {
   validate(problem);
   Options resolved = options;
   resolved.device = options.reproducible ? Device::cpu : resolve(options.device, problem.shape);
+  // reference-cuda widens bf16 inputs on the device; f16 and f32 inputs are widened and computed on the cpu.
+  if (resolved.device == Device::cuda && problem.input_dtype() != DType::BF16) {
+    if (options.device == Device::cuda)
+      throw InputError("the float64 reference on cuda reads bf16 inputs; these are " +
+                       input_dtype_name(problem.input_dtype()) + " (the cpu reference reads every input dtype)");
+    resolved.device = Device::cpu;
+  }
   require_memory(required_bytes(problem.shape, problem.bias.has_value(), resolved),
                  "the float64 reference (" + device_name(resolved.device) + ") on " + problem.shape.to_string());
   const Shape& s = problem.shape;
   const bool on_cpu = resolved.device == Device::cpu;
-  // reference-cuda widens the bf16 inputs on the device.
+  // reference-cuda widens the bf16 inputs on the device; widen() is exact for every input dtype.
   const std::vector<double> x = on_cpu ? widen(problem.x) : std::vector<double>{};
   const std::vector<double> weight = on_cpu ? widen(problem.weight) : std::vector<double>{};
   const std::vector<double> bias = on_cpu && problem.bias ? widen(*problem.bias) : std::vector<double>{};

@@ -1,5 +1,5 @@
 // The exact function of SPEC in float64 on the CPU: the oracle every other implementation is judged against.
-// Reads the bf16 inputs exactly, computes in double, never holds more logits than one chunk.
+// Reads the inputs (bf16, f16 or f32) exactly, computes in double, never holds more logits than one chunk.
 #pragma once
 
 #include "problem/problem.h"

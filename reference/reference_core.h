@@ -1,4 +1,4 @@
-// The reference's arithmetic on double inputs. compute() widens the bf16 problem (exactly) and calls this; the
+// The reference's arithmetic on double inputs. compute() widens the problem's inputs (exactly, any input dtype) and calls this; the
 // finite-difference tests call it directly, on inputs perturbed by steps far smaller than any bf16 spacing.
 #pragma once
 
@@ -92,7 +92,7 @@ class PairTerms {
 // inputs from validated problems). Only the sizes are checked here (InputError naming the span).
 ForwardOutputs compute_core(const DoubleInputs&, const Options&, GradientOutputs = {});
 
-// bf16 -> double is exact: every bf16 is a float, every float a double.
-std::vector<double> widen(std::span<const bf16>);
+// Every bf16, f16 and f32 value is a float, and every float a double: exact.
+std::vector<double> widen(const InputValues&);
 
 }  // namespace simpo::reference

@@ -117,7 +117,6 @@ Capabilities capabilities_from_file(const std::string& path) {
   return capabilities_from_json(text.str(), "--capabilities " + path);
 }
 
-std::string input_dtype_name(const Problem&) { return "bf16"; }
 
 bool has_empty_sequence(const Problem& p) {
   for (std::int64_t b = 0; b < p.shape.B; ++b) {
@@ -129,7 +128,7 @@ bool has_empty_sequence(const Problem& p) {
 }
 
 std::optional<std::string> exclusion(const Capabilities& c, const Problem& p) {
-  if (c.dtypes && !contains(*c.dtypes, input_dtype_name(p))) return "dtypes";
+  if (c.dtypes && !contains(*c.dtypes, simpo::input_dtype_name(p.input_dtype()))) return "dtypes";
   if (c.bias && !*c.bias && p.has_bias()) return "bias";
   if (c.label_smoothing && !*c.label_smoothing && p.hp.label_smoothing != 0) return "label_smoothing";
   const Shape& s = p.shape;

@@ -43,10 +43,6 @@ struct Capabilities {
 Capabilities capabilities_from_json(const std::string& text, const std::string& where);
 Capabilities capabilities_from_file(const std::string& path);  // `--capabilities FILE.json`
 
-// The input dtype of a problem, as capabilities name it. Every generated case is bf16 today; when the case
-// distribution draws f16 and f32 inputs, this is the one place that reads the drawn dtype.
-std::string input_dtype_name(const Problem&);
-
 // The key of `declared` that excludes this problem, or nothing when it is to be judged. Decided from the inputs
 // alone (no run of the implementation or the reference):
 //   dtypes, bias, label_smoothing, max_shape: the input is outside what is declared

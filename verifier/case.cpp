@@ -90,6 +90,19 @@ std::vector<CaseField> make_fields() {
   fields.push_back(shape_field("--H", "H", &Shape::H, "hidden size"));
   fields.push_back(shape_field("--V", "V", &Shape::V, "vocabulary size"));
   {
+    CaseField f = named("--dtype", "dtype", "dtype of x, weight and bias: bf16, f16 or f32");
+    f.hidden = "bf16";  // bf16 cases read and replay as they always did
+    f.get = [](const Case& c) { return input_dtype_name(c.spec.dtype); };
+    f.set = [](Case& c, const std::string& v) {
+      try {
+        c.spec.dtype = input_dtype_from_name(v);
+      } catch (const InputError& e) {
+        throw InputError(std::string("--dtype: ") + e.what());
+      }
+    };
+    fields.push_back(f);
+  }
+  {
     CaseField f = named("--seed", "seed", "generator seed of the inputs");
     f.get = [](const Case& c) { return std::to_string(c.spec.seed); };
     f.set = [](Case& c, const std::string& v) { c.spec.seed = parse_seed("--seed", v); };
@@ -264,6 +277,12 @@ void draw_chunking(Chooser& ch, std::int64_t N, Case& c) {
   c.workspace_bytes = ch.uniform() < 0.1 ? fused::min_workspace_bytes : fused::default_workspace_bytes;
 }
 
+DType draw_dtype(Chooser& ch, const std::vector<DType>& dtypes) {
+  if (dtypes.empty()) return DType::BF16;
+  if (dtypes.size() == 1) return dtypes[0];
+  return dtypes[static_cast<std::size_t>(ch.below(static_cast<std::int64_t>(dtypes.size())))];
+}
+
 Case random_case(Chooser& ch, const CaseDistribution& d) {
   Case c;
   CaseSpec& s = c.spec;
@@ -284,6 +303,7 @@ Case random_case(Chooser& ch, const CaseDistribution& d) {
   s.logit_scale = draw_logit_scale(ch);
   s.ignore = draw_ignore_pattern(ch);
   draw_chunking(ch, s.shape.N(), c);
+  s.dtype = draw_dtype(ch, d.dtypes);
   s.description = "random case: " + c.to_string();
   return c;
 }

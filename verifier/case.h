@@ -75,6 +75,10 @@ bool draw_bias(Chooser&);
 double draw_logit_scale(Chooser&);
 IgnorePattern draw_ignore_pattern(Chooser&);
 void draw_chunking(Chooser&, std::int64_t N, Case&);  // max_chunk_rows and workspace_bytes
+// The inputs' dtype, uniform over `dtypes`: bf16 when empty and no draw at all (nor with one dtype), so a sweep
+// that asks for no other dtype draws the stream it always drew. Drawn last in a case, so with several dtypes
+// the rest of each case is drawn as before.
+DType draw_dtype(Chooser&, const std::vector<DType>& dtypes);
 
 // Narrowings of the distribution for implementations that pay for every distinct shape or hyperparameter value
 // (a JIT compiler: torch.compile, Triton). The defaults narrow nothing. Values, bias, logit scale, ignore pattern
@@ -85,6 +89,8 @@ struct CaseDistribution {
   // > 0: each case's hyperparameters are one of this many fixed draws per shape (draw_hyperparameters from a
   // seed of the set's index and the shape, so the same sets in every sweep); 0: drawn afresh for every case.
   int hyperparameter_sets = 0;
+  // The input dtypes cases draw from (draw_dtype); empty: bf16 only.
+  std::vector<DType> dtypes;
 };
 
 Case random_case(Chooser&, const CaseDistribution& = {});

@@ -117,8 +117,8 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
       const double bound_abs = gradient_frob_bound_abs(scales, name, std::sqrt(sum_floor_sq), n, profile);
       r.frob_bound = norm > 0 ? bound_abs / norm : 0.0;
       // Elementwise: the whole internal budget may land on one element (a Frobenius norm bounds every element);
-      // the element's own rounding is rtol.
-      r.atol = gradient_elementwise_atol(scales, name, profile);
+      // the element's own rounding is rtol (and, below the smallest normal, strict_bounds' atol).
+      r.atol = gradient_elementwise_atol(scales, name, profile) + b.atol;
       if (norm == 0) r.frob_bound = -1;  // all-zero exact gradient: judged elementwise (atol = 0 when k = 0)
     }
   } else {
@@ -184,7 +184,7 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
   return r;
 }
 
-TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
+TensorReport measure_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
                             const Tensor& cand, const Profile& profile) {
   TensorReport r;
   r.name = name;
@@ -212,6 +212,10 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
         const bf16* c = cand.as<bf16>().data();
         return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(static_cast<float>(c[i])); });
       }
+      case DType::F16: {
+        const f16* c = cand.as<f16>().data();
+        return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(static_cast<float>(c[i])); });
+      }
       case DType::F32: {
         const float* c = cand.as<float>().data();
         return measure(scales, name, exact, cand, profile, r, e_at, [c](std::int64_t i) { return static_cast<double>(c[i]); });
@@ -225,6 +229,20 @@ TensorReport compare_tensor(const ProblemScales& scales, const std::string& name
   }
   return measure(scales, name, exact, cand, profile, r, [&](std::int64_t i) { return exact.value(i); },
                  [&](std::int64_t i) { return cand.value(i); });
+}
+
+// SPEC gives the gradients the inputs' dtype (or F32): under strict, a gradient in a coarser dtype than the inputs'
+// (bf16 gradients of f32 inputs) fails, whatever its error at that dtype's floor; the measurements stay.
+TensorReport compare_tensor(const ProblemScales& scales, const std::string& name, const Tensor& exact,
+                            const Tensor& cand, const Profile& profile) {
+  TensorReport r = measure_tensor(scales, name, exact, cand, profile);
+  if (profile.kind == ProfileKind::strict && is_gradient_output(name) && r.verdict == Verdict::passed &&
+      unit_roundoff(cand.dtype) > unit_roundoff(scales.input_dtype)) {
+    r.verdict = Verdict::failed;
+    r.reason = name + " is " + dtype_name(cand.dtype) + " but the inputs are " + dtype_name(scales.input_dtype) +
+               ": SPEC gives gradients the inputs' dtype (or F32)";
+  }
+  return r;
 }
 
 }  // namespace

@@ -28,10 +28,10 @@ constexpr double scalar_safety = 4.0;
 
 // Gradients: the candidate's error has four parts (README "Error model"):
 //   its own final rounding to the output dtype: the floor, measured on the exact values (floor_abs)
-//   bf16 GEMM operands (dz, as tensor cores need them): each dz element rounds with relative error of rms
-//     u(bf16) / sqrt(3) at most (mantissa 1.0; expected_rounding_error is the typical 0.42 u, but k is the same
-//     for every row of a sequence, so with a peaked softmax many dz share one mantissa and one rounding error),
-//     moving the gradient by ~ operand_rounding * M (M: ProblemScales::gradient_magnitude)
+//   GEMM operands in the inputs' dtype (dz, as tensor cores need them): each dz element rounds with relative
+//     error of rms u(dtype) / sqrt(3) at most (mantissa 1.0; expected_rounding_error is the typical 0.42 u, but k
+//     is the same for every row of a sequence, so with a peaked softmax many dz share one mantissa and one
+//     rounding error), moving the gradient by ~ ProblemScales::operand_rounding() * M_op
 //   fp32 logit and log-sum-exp noise: each dz moves by |k| e_l:                      e_l * M
 //   fp32 accumulation over the reduction length K:                                  sqrt(K) u32 * 2 M
 // bound_abs = gradient_safety (1 + small_sample / sqrt(n)) hypot(floor_abs, op M) + scalar_safety e_l M +
@@ -43,7 +43,6 @@ constexpr double gradient_safety = 1.5;
 // few bits subnormals have (k can be ~1e-38 when beta (c - r) saturates the sigmoid). Every element may be
 // off by this much in absolute terms.
 constexpr double underflow = 0x1.0p-120;
-const double operand_rounding = 0x1.0p-8 / std::sqrt(3.0);
 constexpr double small_sample = 3.0;
 constexpr double accumulation_safety = 4.0;
 
@@ -93,6 +92,7 @@ Profile profile_from_name(const std::string& name) {
 double unit_roundoff(DType d) {
   switch (d) {
     case DType::BF16: return 0x1.0p-8;
+    case DType::F16: return 0x1.0p-11;
     case DType::F32: return 0x1.0p-24;
     case DType::F64: return 0x1.0p-53;
     case DType::I64: return 0;
@@ -143,12 +143,16 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
   auto& q = out.q;
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   Matrix w(s.V, s.H);
-  for (std::int64_t i = 0; i < s.V * s.H; ++i) w.data()[i] = static_cast<float>(p.weight[static_cast<std::size_t>(i)]);
+  p.weight.visit([&](const auto& values) {
+    for (std::int64_t i = 0; i < s.V * s.H; ++i) w.data()[i] = static_cast<float>(values[static_cast<std::size_t>(i)]);
+  });
   const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(s.N(), (std::int64_t{64} << 20) / (4 * s.V)));
   for (std::int64_t r0 = 0; r0 < s.N(); r0 += rows) {
     const std::int64_t m = std::min(rows, s.N() - r0);
     Matrix x(m, s.H);
-    for (std::int64_t i = 0; i < m * s.H; ++i) x.data()[i] = static_cast<float>(p.x[static_cast<std::size_t>(r0 * s.H + i)]);
+    p.x.visit([&](const auto& values) {
+      for (std::int64_t i = 0; i < m * s.H; ++i) x.data()[i] = static_cast<float>(values[static_cast<std::size_t>(r0 * s.H + i)]);
+    });
     Matrix z = x * w.transpose();
     for (std::int64_t i = 0; i < m; ++i) {
       const std::int64_t r = r0 + i;
@@ -157,7 +161,7 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
       double zmax = -INFINITY;
       std::vector<double> row(static_cast<std::size_t>(s.V));
       for (std::int64_t v = 0; v < s.V; ++v) {
-        row[static_cast<std::size_t>(v)] = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>((*p.bias)[static_cast<std::size_t>(v)])) : 0.0);
+        row[static_cast<std::size_t>(v)] = z(i, v) + (p.bias ? p.bias->value(static_cast<std::size_t>(v)) : 0.0);
         zmax = std::max(zmax, row[static_cast<std::size_t>(v)]);
       }
       double sum = 0;
@@ -183,24 +187,32 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact, const 
   ProblemScales s;
   s.shape = p.shape;
   s.hp = p.hp;
+  s.input_dtype = p.input_dtype();
   const Shape& sh = p.shape;
   const std::int64_t H = sh.H;
-  auto row_norm = [H](const std::vector<bf16>& m, std::int64_t r) {
-    double sq = 0;
-    for (std::int64_t h = 0; h < H; ++h) {
-      const double v = static_cast<float>(m[static_cast<std::size_t>(r * H + h)]);
-      sq += v * v;
-    }
-    return std::sqrt(sq);
+  // Row norms of an [rows, H] input, whatever its dtype (one visit, not one per element).
+  auto row_norms = [H](const InputValues& input, std::int64_t rows) {
+    std::vector<double> norms(static_cast<std::size_t>(rows));
+    input.visit([&](const auto& m) {
+#pragma omp parallel for schedule(static)
+      for (std::int64_t r = 0; r < rows; ++r) {
+        double sq = 0;
+        for (std::int64_t h = 0; h < H; ++h) {
+          const double v = static_cast<float>(m[static_cast<std::size_t>(r * H + h)]);
+          sq += v * v;
+        }
+        norms[static_cast<std::size_t>(r)] = std::sqrt(sq);
+      }
+    });
+    return norms;
   };
-  double max_x = 0, max_w = 0, max_bias = 0;  // maxima of per-row sums: the same on any number of threads
-  std::vector<double> x_norm(static_cast<std::size_t>(sh.N()));
-#pragma omp parallel for schedule(static) reduction(max : max_x)
-  for (std::int64_t r = 0; r < sh.N(); ++r) max_x = std::max(max_x, x_norm[static_cast<std::size_t>(r)] = row_norm(p.x, r));
-#pragma omp parallel for schedule(static) reduction(max : max_w)
-  for (std::int64_t v = 0; v < sh.V; ++v) max_w = std::max(max_w, row_norm(p.weight, v));
+  double max_bias = 0;  // maxima of per-row sums: the same on any number of threads
+  const std::vector<double> x_norm = row_norms(p.x, sh.N());
+  const double max_x = x_norm.empty() ? 0.0 : *std::max_element(x_norm.begin(), x_norm.end());
+  const std::vector<double> w_norm = row_norms(p.weight, sh.V);
+  const double max_w = w_norm.empty() ? 0.0 : *std::max_element(w_norm.begin(), w_norm.end());
   if (p.bias)
-    for (auto b : *p.bias) max_bias = std::max(max_bias, std::fabs(static_cast<double>(static_cast<float>(b))));
+    for (std::size_t v = 0; v < p.bias->size(); ++v) max_bias = std::max(max_bias, std::fabs(p.bias->value(v)));
   s.logit_bound = max_x * max_w + max_bias;
 
   // The gradient magnitudes cost O(N H V) (off_target_mass): only when there are gradients to judge.
@@ -309,23 +321,40 @@ double ProblemScales::operand_magnitude(const std::string& name) const {
   return 0;
 }
 
+// bf16 and f16 products are exact in fp32 (8 + 8 and 11 + 11 significant bits <= 24); f32 products each round
+// by u32 relative, |sum_h delta_h x_h w_vh| <= u32 sum_h |x_h w_vh| <= u32 Z (worst case, not sqrt(H): an FMA has
+// no product rounding at all, a plain multiply-add does).
+double ProblemScales::logit_error() const {
+  const double H = static_cast<double>(shape.H);
+  return (std::sqrt(H) + (input_dtype == DType::F32 ? 1.0 : 0.0)) * u32 * logit_bound;
+}
+
 double ProblemScales::logprob_error() const {
   const double Z = logit_bound;
-  const double H = static_cast<double>(shape.H), V = static_cast<double>(shape.V);
-  const double e_z = std::sqrt(H) * u32 * Z;
+  const double V = static_cast<double>(shape.V);
+  const double e_z = logit_error();
   const double e_lse = e_z + u32 * (2 * std::sqrt(V) + Z + std::log(V));
   return e_z + e_lse;
+}
+
+// bf16 and f16 inputs: dz rounded to the inputs' dtype for the tensor cores, rms <= u(dtype) / sqrt(3). f32
+// inputs: dz in fp32 (u32 / sqrt(3)) and each product dz w or dz x rounded in fp32 (another u32 / sqrt(3),
+// independent): sqrt(2/3) u32.
+double ProblemScales::operand_rounding() const {
+  if (input_dtype == DType::F32) return std::sqrt(2.0 / 3.0) * u32;
+  return unit_roundoff(input_dtype) / std::sqrt(3.0);
 }
 
 double gradient_internal_error(const ProblemScales& scales, const std::string& name) {
   const double M = scales.gradient_magnitude(name);
   const double K = static_cast<double>(reduction_length(scales.shape, name));
-  return operand_rounding * scales.operand_magnitude(name) + scalar_safety * scales.logprob_error() * M +
+  return scales.operand_rounding() * scales.operand_magnitude(name) + scalar_safety * scales.logprob_error() * M +
          accumulation_safety * std::sqrt(K) * u32 * 2 * M + scales.k_error(name);
 }
 
 // Forward error of the fp32 pipeline, per quantity (README "Error model" has the derivation):
-//   each logit: an H-term fp32 dot product of exact bf16 products plus the bias:   e_z   = sqrt(H) u Z
+//   each logit: an H-term fp32 dot product of exact bf16/f16 products plus the bias: e_z = sqrt(H) u Z
+//   (f32 inputs: + u Z for the products' own rounding, ProblemScales::logit_error)
 //   row lse = max + log sum exp(z - max): e_z from the logits it reads, sqrt(V) u from the V-term sum of
 //   terms <= 1, u |lse| <= u (Z + ln V) from the final add:                      e_lse = e_z + u (2 sqrt(V) + Z + ln V)
 //   token log-prob l = z_t - lse:                                                   e_l   = e_z + e_lse
@@ -337,10 +366,9 @@ double gradient_internal_error(const ProblemScales& scales, const std::string& n
 StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name, DType dtype) {
   const Shape& s = scales.shape;
   const double Z = scales.logit_bound;
-  const double H = static_cast<double>(s.H), V = static_cast<double>(s.V);
-  const double e_z = std::sqrt(H) * u32 * Z;
-  const double e_lse = e_z + u32 * (2 * std::sqrt(V) + Z + std::log(V));
-  const double e_l = e_z + e_lse;
+  const double V = static_cast<double>(s.V);
+  const double e_z = scales.logit_error();
+  const double e_l = scales.logprob_error();
   StrictBounds b;
   b.rtol = 2 * unit_roundoff(dtype);
   if (name == output_name::loss) {
@@ -357,6 +385,9 @@ StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name,
     b.atol = scalar_safety * (e_z + u32 * (std::sqrt(V) + std::log2(M)) * Z);
   } else {  // gradients: relative to the tensor's own size, filled in by compare
     b.rtol = unit_roundoff(dtype);
+    // The element's own rounding below the smallest normal is absolute, half the subnormal spacing: 2^-25 for
+    // f16, whose subnormals start at 6e-5 (gradients are often smaller); bf16's and f32's are below 1e-40.
+    b.atol = dtype == DType::F16 ? 0x1.0p-25 : dtype == DType::BF16 ? 0x1.0p-134 : dtype == DType::F32 ? 0x1.0p-150 : 0.0;
     b.frob_bound = 0;
   }
   return b;
@@ -365,6 +396,7 @@ StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name,
 double round_to(DType dtype, double v) {
   switch (dtype) {
     case DType::BF16: return static_cast<double>(static_cast<float>(bf16(static_cast<float>(v))));
+    case DType::F16: return static_cast<double>(static_cast<float>(f16(static_cast<float>(v))));
     case DType::F32: return static_cast<double>(static_cast<float>(v));
     default: return v;
   }
@@ -387,7 +419,7 @@ double gradient_frob_bound_abs(const ProblemScales& scales, const std::string& n
                                const Profile& profile) {
   const double nn = static_cast<double>(std::max<std::int64_t>(n, 1));
   const double M = scales.gradient_magnitude(name);
-  const double op = operand_rounding * scales.operand_magnitude(name);
+  const double op = scales.operand_rounding() * scales.operand_magnitude(name);
   const double K = static_cast<double>(reduction_length(scales.shape, name));
   const auto [softmax, k_error] = logit_rounding_terms(scales, name, profile);
   return gradient_safety * (1 + small_sample / std::sqrt(nn)) * std::hypot(std::hypot(floor_abs, op), softmax) +
@@ -412,7 +444,7 @@ double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double ro
     softmax = scales.logit_rounding->row_grad_x[static_cast<std::size_t>(row)];
     k_error = scales.logit_rounding->row_k_error[static_cast<std::size_t>(row)];
   }
-  return gradient_safety * row_sample * std::hypot(std::hypot(row_floor_abs, operand_rounding * k * q * W), softmax) +
+  return gradient_safety * row_sample * std::hypot(std::hypot(row_floor_abs, scales.operand_rounding() * k * q * W), softmax) +
          scalar_safety * e_l * k * W + acc * k * W + underflow * std::sqrt(H) + 2 * dk * W + k_error;
 }
 
@@ -463,7 +495,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   Matrix w(sh.V, sh.H);
-  for (std::int64_t i = 0; i < sh.V * sh.H; ++i) w.data()[i] = static_cast<float>(p.weight[static_cast<std::size_t>(i)]);
+  for (std::int64_t i = 0; i < sh.V * sh.H; ++i) w.data()[i] = static_cast<float>(p.weight.value(static_cast<std::size_t>(i)));
   // ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2, in double (w ~ g for a peaked softmax: fp32 would cancel).
   MatrixD wd;
   Eigen::VectorXd w_sq;
@@ -476,7 +508,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
   for (std::int64_t r0 = 0; r0 < sh.N(); r0 += rows) {
     const std::int64_t m = std::min(rows, sh.N() - r0);
     Matrix x(m, sh.H);
-    for (std::int64_t i = 0; i < m * sh.H; ++i) x.data()[i] = static_cast<float>(p.x[static_cast<std::size_t>(r0 * sh.H + i)]);
+    for (std::int64_t i = 0; i < m * sh.H; ++i) x.data()[i] = static_cast<float>(p.x.value(static_cast<std::size_t>(r0 * sh.H + i)));
     const Matrix z = x * w.transpose();
     MatrixD probs = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // softmax of completion rows
     MatrixD pz_sq = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // (p_v z_v)^2
@@ -485,7 +517,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
       const std::int64_t r = r0 + i;
       double zmax = -INFINITY, zabs_max = 0, abs_sum = 0, sq_sum = 0;
       for (std::int64_t v = 0; v < sh.V; ++v) {
-        const double zv = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>((*p.bias)[static_cast<std::size_t>(v)])) : 0.0);
+        const double zv = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>(p.bias->value(static_cast<std::size_t>(v)))) : 0.0);
         row[static_cast<std::size_t>(v)] = zv;
         zmax = std::max(zmax, zv);
         zabs_max = std::max(zabs_max, std::fabs(zv));
@@ -592,7 +624,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
         const double kb = row_k[r] * b_row[r], kc = row_k[r] * c_row[r];
         double xn_sq = 0;
         for (std::int64_t h = 0; h < sh.H; ++h) {
-          const double xv = static_cast<float>(p.x[r * static_cast<std::size_t>(sh.H) + static_cast<std::size_t>(h)]);
+          const double xv = static_cast<float>(p.x.value(r * static_cast<std::size_t>(sh.H) + static_cast<std::size_t>(h)));
           xn_sq += xv * xv;
         }
         lr.row_grad_x[r] = sigma * kc;

@@ -7,7 +7,8 @@
 //   beyond     elements with |candidate - exact| > atol + rtol |exact|
 // and judges it under a profile:
 //   strict  (default) bounds derived from the dtypes, the shapes and the problem's scales for an implementation
-//           that multiplies bf16 operands and accumulates in fp32 (README "Error model" derives each bound)
+//           that multiplies operands in the inputs' dtype (bf16, f16 or f32) and accumulates in fp32 (README
+//           "Error model" derives each bound)
 //   bf16_logits  strict's derivation for an implementation that also rounds the logits to bf16 before the
 //           softmax (TRL's eager loss, Liger): the rounding's effect on each output added (README)
 //   peer    Liger-Kernel's bf16 test tolerance, atol = rtol = 5e-3 elementwise
@@ -56,6 +57,9 @@ Profile profile_from_flags(const std::string& name, const double* rtol, const do
 struct ProblemScales {
   Shape shape;
   Hyperparameters hp;
+  // The inputs' dtype, which the candidate shares: it sets the GEMM operands' rounding (operand_rounding) and
+  // whether the logits' products are exact in fp32 (bf16, f16) or round (f32; logit_error).
+  DType input_dtype = DType::BF16;
   // Bound on |z| and on sum_h |x_h w_vh| for every logit: max_r ||x_r|| * max_v ||w_v|| + max |bias|
   // (Cauchy-Schwarz), the magnitude fp32 rounding in the logits and the row log-sum-exp is relative to.
   double logit_bound = 0;
@@ -94,8 +98,13 @@ struct ProblemScales {
   std::vector<double> row_dk;
   double k_error_grad_x = 0, k_error_grad_weight = 0, k_error_grad_bias = 0;
   double k_error(const std::string& output_name) const;
+  // The error of an fp32-accumulated logit, e_z (README derivation).
+  double logit_error() const;
   // The error of the fp32 token log-prob (README derivation), which also perturbs each dz by |k| e_l.
   double logprob_error() const;
+  // The rms relative rounding of the gradient GEMMs' dz operands: u(bf16) / sqrt(3) for bf16 inputs, u(f16) /
+  // sqrt(3) for f16, sqrt(2/3) u32 for f32 (dz in fp32 and the products' rounding).
+  double operand_rounding() const;
 
   // The bf16_logits profile's extra budget: what rounding each logit to bf16 (relative error <= u = 2^-8, rms
   // <= u / sqrt(3)) before the softmax adds, derived from the problem's fp32 logits (README "The bf16_logits
@@ -118,13 +127,14 @@ struct ProblemScales {
                           const reference::OffTargetSoftmax* off_target = nullptr);
 };
 
-// The Frobenius norm of the error an fp32-accumulating implementation with bf16 GEMM operands may make in
+// The Frobenius norm of the error an fp32-accumulating implementation with GEMM operands in the inputs' dtype may make in
 // gradient `name` before its own final rounding: operand rounding + logit noise + accumulation order.
 double gradient_internal_error(const ProblemScales&, const std::string& name);
 
 // The strict tolerances for one output tensor of a candidate with dtype `candidate_dtype`.
 struct StrictBounds {
-  double atol = 0, rtol = 0;      // elementwise; for gradients atol is set later from the tensor's rms
+  double atol = 0, rtol = 0;      // elementwise; for gradients atol is the output dtype's subnormal rounding,
+                                  // to which compare adds the internal budget
   double atol_per_rms = 0;        // gradients: atol = atol_per_rms * rms(exact)
   double frob_bound = -1;         // gradients: rel_frob <= frob_bound (floor-dependent, filled by compare); -1: unused
 };
@@ -144,7 +154,7 @@ double grad_x_row_bound(const ProblemScales&, std::int64_t row, double row_floor
 // v rounded to dtype (round to nearest even): what the floor is measured with.
 double round_to(DType, double v);
 
-// The unit roundoff of a dtype (2^-8 for bf16, 2^-24 for f32, 2^-53 for f64) and the rms relative error of
+// The unit roundoff of a dtype (2^-8 for bf16, 2^-11 for f16, 2^-24 for f32, 2^-53 for f64) and the rms relative error of
 // rounding a typical (log-uniform mantissa) value to it: u * sqrt(1 / (8 ln 2)) = 0.4247 u.
 double unit_roundoff(DType);
 double expected_rounding_error(DType);

@@ -1,13 +1,17 @@
 // The fused algorithm (fused/schedule.h for the chunk plan, fused/simpo_math.h for the math) on the CPU.
 //
 // Per chunk of R token rows:
-//   1. Z[R, V] = X_chunk W^T: Eigen fp32 GEMM on the bf16 values widened to float (exact), bias added per row.
+//   1. Z[R, V] = X_chunk W^T: Eigen fp32 GEMM on the input values widened to float (exact for bf16, f16 and
+//      f32), bias added per row.
 //   2. row stats in fp32 with the max shift: lse, z_target (both relative to the row max); rowsum in double.
 //   3. k per row: three_pass right away for the chunk's pairs; two_pass after pass 1 has seen every row.
 //   4. D[r, v] = bf16(-k softmax_v), overwriting Z in place, with D[r, target] = 0; the target column's exact
-//      c[r] = k (1 - p_target) stays in fp32 and is applied outside the GEMMs (gather / scatter-add).
-//   5. grad_x rows = D W + c W[target] in fp32, rounded to bf16 once; grad_W_f32 += D^T X_chunk + c x
-//      (fp32 over all chunks); grad_bias_f32 += column sums of D + c. grad_weight/grad_bias rounded once.
+//      c[r] = k (1 - p_target) stays in fp32 and is applied outside the GEMMs (gather / scatter-add). bf16
+//      inputs only: the cuda kernel's GEMMs take dz in bf16, and this backend computes the same numbers. With
+//      f16 or f32 inputs D stays fp32 (an f32 candidate is held to f32 arithmetic; for f16 fp32 is simply
+//      better than the f16 operands a tensor core would take).
+//   5. grad_x rows = D W + c W[target] in fp32, rounded to the inputs' dtype once; grad_W_f32 += D^T X_chunk
+//      + c x (fp32 over all chunks); grad_bias_f32 += column sums of D + c. grad_weight/grad_bias rounded once.
 // The GEMMs use Eigen's OpenMP threads; the row loops use OpenMP directly. The whole weight is held once as
 // float (V*H*4 bytes): Eigen has no bf16 GEMM, and that copy is this backend's cost, outside the workspace.
 //
@@ -32,6 +36,15 @@ using MatrixF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowM
 using VectorF = Eigen::Matrix<float, Eigen::Dynamic, 1>;
 
 float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+// f(T()) with T the C++ type of an input dtype.
+template <class F> decltype(auto) with_input_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F16: return f(f16());
+    case DType::F32: return f(0.0f);
+    default: return f(bf16());
+  }
+}
 
 // MUTANT pairs_interleaved and pairs_split_across_chunks change which rows a row's k depends on (pairs
 // (2i, 2i+1), or a partner outside the chunk), so their k is computed once all rows' stats are known.
@@ -63,19 +76,22 @@ class Run {
         mutant_(options.mutant),
         schedule_(plan(problem.shape, options, !needs_all_pairs_at_once(options.mutant))),
         targets_(read_targets(problem, options.mutant)),
+        dtype_(problem.input_dtype()),
+        bf16_operands_(dtype_ == DType::BF16),
         stats_(problem.shape.N()),
         row_max_(static_cast<std::size_t>(problem.shape.N()), 0.f),
         k_(static_cast<std::size_t>(problem.shape.N()), 0.f),
         c_(static_cast<std::size_t>(problem.shape.N()), 0.f) {
     const auto H = shape_.H, V = shape_.V;
     weight_.resize(V, H);
-    const bf16* w = problem.weight.data();
+    problem.weight.visit([&](const auto& w) {
 #pragma omp parallel for schedule(static)
-    for (Eigen::Index v = 0; v < V; ++v)
-      for (Eigen::Index h = 0; h < H; ++h) weight_(v, h) = static_cast<float>(w[v * H + h]);
+      for (Eigen::Index v = 0; v < V; ++v)
+        for (Eigen::Index h = 0; h < H; ++h) weight_(v, h) = static_cast<float>(w[v * H + h]);
+    });
     if (problem.has_bias()) {
       bias_.resize(V);
-      for (Eigen::Index v = 0; v < V; ++v) bias_[v] = static_cast<float>((*problem.bias)[static_cast<std::size_t>(v)]);
+      for (Eigen::Index v = 0; v < V; ++v) bias_[v] = static_cast<float>(problem.bias->value(static_cast<std::size_t>(v)));
     }
     const Eigen::Index rows = schedule_.max_rows();
     x_chunk_.resize(rows, H);
@@ -84,7 +100,7 @@ class Run {
       grad_x_chunk_.resize(rows, H);
       grad_weight_ = MatrixF::Zero(V, H);
       grad_bias_ = VectorF::Zero(V);
-      grad_x_.assign(static_cast<std::size_t>(shape_.N() * H), bf16(0.f));
+      grad_x_ = Tensor(dtype_, output_shape(shape_, output_name::grad_x));
     }
   }
 
@@ -129,10 +145,11 @@ class Run {
   void logits(const Chunk& chunk) {
     gather_rows(chunk);
     const Eigen::Index R = static_cast<Eigen::Index>(rows_.size()), H = shape_.H, V = shape_.V;
-    const bf16* x = problem_.x.data();
+    problem_.x.visit([&](const auto& x) {
 #pragma omp parallel for schedule(static)
-    for (Eigen::Index i = 0; i < R; ++i)
-      for (Eigen::Index h = 0; h < H; ++h) x_chunk_(i, h) = static_cast<float>(x[rows_[i] * H + h]);
+      for (Eigen::Index i = 0; i < R; ++i)
+        for (Eigen::Index h = 0; h < H; ++h) x_chunk_(i, h) = static_cast<float>(x[rows_[i] * H + h]);
+    });
     logits_.topRows(R).noalias() = x_chunk_.topRows(R) * weight_.transpose();
     if (problem_.has_bias()) {
 #pragma omp parallel for schedule(static)
@@ -200,7 +217,9 @@ class Run {
   void gradient_chunk(const Chunk&) {
     const Eigen::Index R = static_cast<Eigen::Index>(rows_.size()), H = shape_.H, V = shape_.V;
 
-    // Step 4: D = bf16(-k softmax) in place of the logits, 0 in the target column; c in fp32 on the side.
+    // Step 4: D = -k softmax (bf16-rounded for bf16 inputs) in place of the logits, 0 in the target column; c in
+    // fp32 on the side.
+    const bool round = bf16_operands_;
 #pragma omp parallel for schedule(static)
     for (Eigen::Index i = 0; i < R; ++i) {
       float* z = &logits_(i, 0);
@@ -212,17 +231,19 @@ class Run {
         c_[r] = 0.f;
         continue;
       }
-      if (options_.logit_distances) {
+      if (distances_) {
         // Options::logit_distances: z read back from its distance below its tile's max, as the cuda GEMM stores it.
         for (Eigen::Index v0 = 0; v0 < V; v0 += math::logit_distance_tile) {
           const Eigen::Index v1 = std::min<Eigen::Index>(V, v0 + math::logit_distance_tile);
           const float tile_max = *std::max_element(z + v0, z + v1), above = tile_max - max;
           for (Eigen::Index v = v0; v < v1; ++v)
             z[v] = round_bf16(math::softmax_gradient(
-                k, math::logit_from_distance(above, math::logit_distance(tile_max, z[v])), log_sum));
+                k, math::logit_from_distance(above, math::logit_distance(tile_max, z[v])), log_sum));  // bf16 only
         }
-      } else {
+      } else if (round) {
         for (Eigen::Index v = 0; v < V; ++v) z[v] = round_bf16(math::softmax_gradient(k, z[v] - max, log_sum));
+      } else {
+        for (Eigen::Index v = 0; v < V; ++v) z[v] = math::softmax_gradient(k, z[v] - max, log_sum);
       }
       z[column] = 0.f;
       if (mutant_ == Mutant::softmax_rounded_before_onehot) {
@@ -235,20 +256,23 @@ class Run {
     const auto D = logits_.topRows(R);
     const auto X = x_chunk_.topRows(R);
 
-    // Step 5a: grad_x rows = D W + c W[target], rounded to bf16 once.
+    // Step 5a: grad_x rows = D W + c W[target], rounded to the inputs' dtype once.
     if (mutant_ == Mutant::grad_x_in_input_buffer) {
       grad_x_parked_in_bf16(D);
     } else {
       grad_x_chunk_.topRows(R).noalias() = D * weight_;
+      with_input_type(dtype_, [&]<class T>(T) {
+        T* grad_x = grad_x_.as<T>().data();
 #pragma omp parallel for schedule(static)
-      for (Eigen::Index i = 0; i < R; ++i) {
-        const auto r = static_cast<std::size_t>(rows_[i]);
-        const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
-        bf16* out = &grad_x_[r * static_cast<std::size_t>(H)];
-        const float c = c_[r];
-        for (Eigen::Index h = 0; h < H; ++h)
-          out[h] = bf16(c != 0.f ? grad_x_chunk_(i, h) + c * weight_(column, h) : grad_x_chunk_(i, h));
-      }
+        for (Eigen::Index i = 0; i < R; ++i) {
+          const auto r = static_cast<std::size_t>(rows_[i]);
+          const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
+          T* out = grad_x + r * static_cast<std::size_t>(H);
+          const float c = c_[r];
+          for (Eigen::Index h = 0; h < H; ++h)
+            out[h] = T(c != 0.f ? grad_x_chunk_(i, h) + c * weight_(column, h) : grad_x_chunk_(i, h));
+        }
+      });
     }
 
     // Step 5b: grad_W_f32 += D^T X + c x (scatter-add, serial: targets may repeat), grad_bias likewise.
@@ -284,18 +308,21 @@ class Run {
       parked.noalias() += D.middleCols(v0, width) * weight_.middleRows(v0, width);
       parked = parked.unaryExpr([](float v) { return round_bf16(v); });
     }
-    for (Eigen::Index i = 0; i < R; ++i) {
-      const auto r = static_cast<std::size_t>(rows_[i]);
-      const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
-      for (Eigen::Index h = 0; h < H; ++h)
-        grad_x_[r * static_cast<std::size_t>(H) + h] =
-            bf16(c_[r] != 0.f ? parked(i, h) + c_[r] * weight_(column, h) : parked(i, h));
-    }
+    with_input_type(dtype_, [&]<class T>(T) {
+      T* grad_x = grad_x_.as<T>().data();
+      for (Eigen::Index i = 0; i < R; ++i) {
+        const auto r = static_cast<std::size_t>(rows_[i]);
+        const std::int64_t column = gathered_column(problem_, targets_, static_cast<std::int64_t>(r));
+        for (Eigen::Index h = 0; h < H; ++h)
+          grad_x[r * static_cast<std::size_t>(H) + h] =
+              T(c_[r] != 0.f ? parked(i, h) + c_[r] * weight_(column, h) : parked(i, h));
+      }
+    });
   }
 
-  void add_gradient_outputs(TensorMap& out) const {
-    const auto B = shape_.B, T = shape_.T, H = shape_.H, V = shape_.V;
-    out[output_name::grad_x] = Tensor::from<bf16>({B, T, H}, grad_x_);
+  void add_gradient_outputs(TensorMap& out) {
+    const auto H = shape_.H, V = shape_.V;
+    out[output_name::grad_x] = std::move(grad_x_);
     const std::span<const float> gw(grad_weight_.data(), static_cast<std::size_t>(grad_weight_.size()));
     const std::span<const float> gb(grad_bias_.data(), static_cast<std::size_t>(grad_bias_.size()));
     if (options_.grad_weight_f32) {
@@ -303,30 +330,37 @@ class Run {
       if (problem_.has_bias()) out[output_name::grad_bias] = Tensor::from<float>({V}, gb);
       return;
     }
-    out[output_name::grad_weight] = to_bf16({V, H}, gw);
-    if (problem_.has_bias()) out[output_name::grad_bias] = to_bf16({V}, gb);
+    out[output_name::grad_weight] = rounded({V, H}, gw);
+    if (problem_.has_bias()) out[output_name::grad_bias] = rounded({V}, gb);
   }
 
-  static Tensor to_bf16(std::vector<std::int64_t> shape, std::span<const float> values) {
-    Tensor t(DType::BF16, std::move(shape));
-    auto dst = t.as<bf16>();
-    const auto size = static_cast<std::int64_t>(values.size());
+  // values rounded once to the inputs' dtype.
+  Tensor rounded(std::vector<std::int64_t> shape, std::span<const float> values) const {
+    Tensor t = Tensor::uninitialized(dtype_, std::move(shape));
+    with_input_type(dtype_, [&]<class T>(T) {
+      auto dst = t.as<T>();
+      const auto size = static_cast<std::int64_t>(values.size());
 #pragma omp parallel for schedule(static)
-    for (std::int64_t j = 0; j < size; ++j) dst[j] = bf16(values[j]);
+      for (std::int64_t j = 0; j < size; ++j) dst[j] = T(values[j]);
+    });
     return t;
   }
 
   const Problem& problem_;
   const Options& options_;
+  // Options::logit_distances applies to bf16 inputs: f16 and f32 gradients keep dz from the fp32 logits.
+  const bool distances_ = options_.logit_distances && problem_.input_dtype() == DType::BF16;
   const Shape shape_;
   const Mutant mutant_;
   const Schedule schedule_;
   const Targets targets_;
+  const DType dtype_;          // of the inputs, grad_x, and grad_weight/grad_bias unless F32 is asked for
+  const bool bf16_operands_;   // D rounded to bf16, as the cuda kernel's GEMMs take it
   RowStats stats_;         // lse and z_target relative to row_max_
   std::vector<float> row_max_;  // [N] the max shift of each row
   std::vector<float> k_;  // [N] per-row coefficient
   std::vector<float> c_;  // [N] exact target-column value of dz
-  MatrixF weight_;        // [V, H] the bf16 weight widened to float
+  MatrixF weight_;        // [V, H] the weight widened to float
   VectorF bias_;          // [V]
   std::vector<std::int64_t> rows_;  // the current chunk's token rows
   MatrixF x_chunk_;       // [rows, H]
@@ -334,7 +368,7 @@ class Run {
   MatrixF grad_x_chunk_;  // [rows, H]
   MatrixF grad_weight_;   // [V, H] fp32 accumulator over all chunks
   VectorF grad_bias_;     // [V]
-  std::vector<bf16> grad_x_;  // [N, H] the output
+  Tensor grad_x_;         // [B, T, H] the output, in the inputs' dtype
 };
 
 }  // namespace

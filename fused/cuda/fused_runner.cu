@@ -158,6 +158,11 @@ class ChunkedStep {
       offset += part.rows();
     }
     gemms_.grad_x(rows, V, ld_h, dz_, ld_dz_, p_.weight, grad_x_part_);
+    ChunkRows chunk_rows;
+    for (int i = 0; i < c.part_count; ++i) {
+      chunk_rows.begin[i] = c.parts[i].begin;
+      chunk_rows.rows[i] = c.parts[i].rows();
+    }
     if (hi_) {
       // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
       // term, per target once, after both (each reads and writes the pair).
@@ -165,28 +170,25 @@ class ChunkedStep {
       hilo_accumulate_grad_weight(rows, V8, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_, stream_,
                                   gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
       launch_hilo_tail(rows, V8, V, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_, stream_);
-      ChunkRows chunk_rows;
-      for (int i = 0; i < c.part_count; ++i) {
-        chunk_rows.begin[i] = c.parts[i].begin;
-        chunk_rows.rows[i] = c.parts[i].rows();
-      }
-      launch_target_rows_hilo(p_.x, ld_h, H, chunk_rows, p_.target, rows_.target_coef, hi_, lo_, H, stream_);
     } else {
       gemms_.accumulate_grad_weight(rows, V, ld_h, dz_, ld_dz_, x_chunk, grad_weight_f32_,
                                     /*overwrite=*/first_weight_gemm_);
     }
+    // The one-hot term, per target once, after the GEMM (each reads and writes the accumulator's row).
+    launch_target_rows(p_.x, ld_h, H, chunk_rows, p_.target, rows_.target_coef,
+                       hi_ ? TargetRowsSink{.hi = hi_, .lo = lo_, .ld_w = H}
+                           : TargetRowsSink{.f32 = grad_weight_f32_, .ld_w = ld_h},
+                       stream_);
     first_weight_gemm_ = false;
     offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
       launch_grad_x_finish(grad_x_part_ + offset * ld_h, part.rows(), part.begin, H, ld_h, p_.weight, p_.target,
                            rows_.target_coef, g_->grad_x, stream_);
-      if (!hi_ || g_->grad_bias)
-        launch_target_scatter(p_.x, part.rows(), part.begin, H, ld_h, p_.target, rows_.target_coef,
-                              hi_ ? nullptr : grad_weight_f32_, g_->grad_bias, stream_);
       offset += part.rows();
     }
-    if (g_->grad_bias) launch_bias_column_sums(dz_, ld_dz_, rows, V, g_->grad_bias, stream_);
+    if (g_->grad_bias)
+      launch_bias_column_sums(dz_, ld_dz_, chunk_rows, V, 0, p_.target, rows_.target_coef, g_->grad_bias, stream_);
   }
 
   LogitRows part_logits(const RowRange& part, std::int64_t offset) const {
@@ -377,17 +379,17 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
       }
       gemms.grad_x(block, columns, ld_h, dz, ld_dz, w_slice, grad_x_sum + r0 * ld_h, /*accumulate=*/v0 > 0);
       gemms.accumulate_grad_weight(block, columns, ld_h, dz, ld_dz, x_block, gw, /*overwrite=*/r0 == 0);
-      if (g.grad_bias) launch_bias_column_sums(dz, ld_dz, block, columns, g.grad_bias + v0, stream);
+      // After this block's dz: target_coef holds its rows' coefficients (row_coefficients_kernel, or dz_kernel).
+      if (g.grad_bias)
+        launch_bias_column_sums(dz, ld_dz, ChunkRows{.begin = {r0, 0}, .rows = {block, 0}}, columns, v0, p.target,
+                                rows.target_coef, g.grad_bias + v0, stream);
     }
     // target_coef holds every row's coefficient now (row_coefficients_kernel, or each block's dz_kernel)
     launch_target_scatter(p.x, N, 0, H, ld_h, p.target, rows.target_coef, gw, nullptr, stream, v0, v0 + columns);
     if (g.grad_weight_bf16) launch_round_to_bf16(gw, ld_h, columns, H, g.grad_weight_bf16 + v0 * H, stream);
   }
   launch_grad_x_finish(grad_x_sum, N, 0, H, ld_h, p.weight, p.target, rows.target_coef, g.grad_x, stream);
-  if (g.grad_bias) {
-    launch_target_scatter(p.x, N, 0, H, ld_h, p.target, rows.target_coef, nullptr, g.grad_bias, stream);
-    if (g.grad_bias_bf16) launch_round_to_bf16(g.grad_bias, V, 1, V, g.grad_bias_bf16, stream);
-  }
+  if (g.grad_bias && g.grad_bias_bf16) launch_round_to_bf16(g.grad_bias, V, 1, V, g.grad_bias_bf16, stream);
 }
 
 const char* accumulator_purpose(StepPlan::GradWeight form) {

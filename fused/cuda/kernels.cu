@@ -13,10 +13,11 @@
 //   row_coefficients_kernel   2               per row: k and k (1 - p_t) alone, where dz comes from the logits
 //                                             GEMM's epilogue (promoted_dz.h; the low-memory schedule)
 //   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
-//   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x (the one-hot term in fp32)
-//   bias_column_sums_kernel   2               grad_bias += column sums of dz (its target terms: target_scatter)
-//   target_rows_hilo_kernel   2               grad_W[target] += k (1 - p_t) x into the bf16 hi/lo pair (hilo_gemm.h):
-//                                             per target, one block sums its rows in fp32 and adds once
+//   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x, fp32 atomics (the low-memory
+//                                             schedule's vocabulary slices)
+//   bias_column_sums_kernel   2               grad_bias += column sums of dz and the target terms, rows in order
+//   target_rows_kernel        2               grad_W[target] += k (1 - p_t) x into the hi/lo pair (hilo_gemm.h) or an
+//                                             fp32 accumulator: per target, one block sums its rows and adds once
 //   hilo_tail_kernel          2               the last V % 8 rows of dz^T x into the hi/lo pair (the GEMM's TMA
 //                                             takes whole groups of 8)
 //   round_to_bf16_kernel      end             the fp32 grad_weight / grad_bias accumulators into the bf16 outputs
@@ -299,19 +300,29 @@ __global__ void __launch_bounds__(kRowThreads) target_scatter_kernel(const __nv_
   if (grad_bias != nullptr && threadIdx.x == 0) atomicAdd(grad_bias + t, c);
 }
 
-// Column sums of a [rows, ld] bf16 block: thread = column, blockIdx.y = a slab of kSlabRows rows; one atomic
-// per column and slab. Coalesced: a warp reads 32 consecutive columns of one row.
-constexpr int kSlabRows = 128;
+__device__ inline std::int64_t chunk_row(const ChunkRows& c, std::int64_t j) {
+  return j < c.rows[0] ? c.begin[0] + j : c.begin[1] + (j - c.rows[0]);
+}
+
+// Column sums of a chunk's [rows, ld] bf16 dz plus the target terms (dz is 0 at a row's target column; its value is
+// the row's coefficient): thread = column, the rows in chunk order, one write per column, so the sum does not
+// depend on timing (no atomics). Coalesced: a warp reads 32 consecutive columns of one row; the row's target and
+// coefficient are one broadcast load each.
 __global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const __nv_bfloat16* dz, std::int64_t ld,
-                                                                      std::int64_t rows, std::int64_t V,
+                                                                      ChunkRows c, std::int64_t V,
+                                                                      std::int64_t column_begin,
+                                                                      const std::int64_t* target, const float* coef,
                                                                       float* grad_bias) {
   const std::int64_t v = std::int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
   if (v >= V) return;
-  const std::int64_t r0 = std::int64_t(blockIdx.y) * kSlabRows;
-  const std::int64_t r1 = r0 + kSlabRows < rows ? r0 + kSlabRows : rows;
+  const std::int64_t rows = c.rows[0] + c.rows[1];
   float sum = 0;
-  for (std::int64_t r = r0; r < r1; ++r) sum += __bfloat162float(dz[r * ld + v]);
-  atomicAdd(grad_bias + v, sum);
+  for (std::int64_t j = 0; j < rows; ++j) {
+    const std::int64_t r = chunk_row(c, j);
+    sum += __bfloat162float(dz[j * ld + v]);
+    if (target != nullptr && target[r] == column_begin + v) sum += coef[r];
+  }
+  grad_bias[v] += sum;
 }
 
 // ---- grad_W as a bf16 hi/lo pair (hilo_gemm.h) ----
@@ -324,19 +335,16 @@ __device__ inline void hilo_add(__nv_bfloat16* hi, __nv_bfloat16* lo, float add,
   *lo = __float2bfloat16_rn(s - __bfloat162float(h));
 }
 
-__device__ inline std::int64_t chunk_row(const ChunkRows& c, std::int64_t j) {
-  return j < c.rows[0] ? c.begin[0] + j : c.begin[1] + (j - c.rows[0]);
-}
-
 // One block per chunk row r with a nonzero target coefficient. The block of the first such row of each target t
 // (its leader; the others return) sums c[r'] x[r'] over every row r' of the chunk with target t, in chunk order
-// (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum into hi/lo row t once.
+// (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum into row t once: of the
+// hi/lo pair, or of an fp32 accumulator (`f32` not null).
 // Leaders of different targets write different rows: no atomics, and the result does not depend on timing.
 constexpr int kTargetColumns = 16;  // columns per thread and pass: H <= 4096 in one scan of the chunk's rows
-__global__ void __launch_bounds__(kRowThreads) target_rows_hilo_kernel(const __nv_bfloat16* x, std::int64_t ld_x,
+__global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const __nv_bfloat16* x, std::int64_t ld_x,
                                                                       std::int64_t H, ChunkRows c,
                                                                       const std::int64_t* target, const float* coef,
-                                                                      __nv_bfloat16* hi, __nv_bfloat16* lo,
+                                                                      __nv_bfloat16* hi, __nv_bfloat16* lo, float* f32,
                                                                       std::int64_t ld_w) {
   const std::int64_t n = c.rows[0] + c.rows[1], j = blockIdx.x, r = chunk_row(c, j);
   if (coef[r] == 0.0f) return;  // block-uniform
@@ -388,7 +396,9 @@ __global__ void __launch_bounds__(kRowThreads) target_rows_hilo_kernel(const __n
 #pragma unroll
     for (int q = 0; q < kTargetColumns; ++q) {
       const std::int64_t h = h0 + q * kRowThreads + threadIdx.x;
-      if (h < H) hilo_add(hi + t * ld_w + h, lo + t * ld_w + h, sum[q], false);
+      if (h >= H) continue;
+      if (f32 != nullptr) f32[t * ld_w + h] += sum[q];
+      else hilo_add(hi + t * ld_w + h, lo + t * ld_w + h, sum[q], false);
     }
   }
 }
@@ -518,12 +528,12 @@ void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
-void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, std::int64_t rows, std::int64_t V,
+void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
+                             std::int64_t column_begin, const std::int64_t* target, const float* target_coef,
                              float* grad_bias, cudaStream_t stream) {
-  if (rows == 0 || V == 0) return;
-  const dim3 grid(static_cast<unsigned>((V + kRowThreads - 1) / kRowThreads),
-                  static_cast<unsigned>((rows + kSlabRows - 1) / kSlabRows));
-  bias_column_sums_kernel<<<grid, kRowThreads, 0, stream>>>(dz, ld_dz, rows, V, grad_bias);
+  if (rows.rows[0] + rows.rows[1] == 0 || V == 0) return;
+  bias_column_sums_kernel<<<static_cast<unsigned>((V + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(
+      dz, ld_dz, rows, V, column_begin, target, target_coef, grad_bias);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -537,13 +547,13 @@ void launch_round_to_bf16(const float* in, std::int64_t ld_in, std::int64_t rows
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
-void launch_target_rows_hilo(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows& rows,
-                             const std::int64_t* target, const float* target_coef, __nv_bfloat16* hi,
-                             __nv_bfloat16* lo, std::int64_t ld_w, cudaStream_t stream) {
+void launch_target_rows(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows& rows,
+                        const std::int64_t* target, const float* target_coef, const TargetRowsSink& sink,
+                        cudaStream_t stream) {
   const std::int64_t n = rows.rows[0] + rows.rows[1];
   if (n == 0 || H == 0) return;
-  target_rows_hilo_kernel<<<grid_rows(n), kRowThreads, 0, stream>>>(x, ld_x, H, rows, target, target_coef, hi, lo,
-                                                                    ld_w);
+  target_rows_kernel<<<grid_rows(n), kRowThreads, 0, stream>>>(x, ld_x, H, rows, target, target_coef, sink.hi, sink.lo,
+                                                               sink.f32, sink.ld_w);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

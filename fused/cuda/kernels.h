@@ -113,23 +113,32 @@ void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64
                            float* grad_bias, cudaStream_t, std::int64_t v_begin = 0,
                            std::int64_t v_end = INT64_MAX);
 
-// grad_bias[v] += sum over the part's rows of D[r, v] (fp32 sums of the bf16 values the GEMMs also use).
-void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, std::int64_t rows, std::int64_t V,
-                             float* grad_bias, cudaStream_t);
-
 // A chunk's rows as global row ranges: part 0 then part 1 (a three_pass chunk's chosen rows, then its rejected
 // rows); rows[1] = 0 for a chunk of one range.
 struct ChunkRows {
   std::int64_t begin[2] = {0, 0};
   std::int64_t rows[2] = {0, 0};
 };
+// grad_bias[v] += sum over the chunk's rows of D[r, v] + target_coef[r] where target[r] = column_begin + v (fp32
+// sums of the bf16 values the GEMMs also use, and the target terms), each column's rows in chunk order: the same
+// bits on every run. dz is [rows, ld_dz] in chunk order; its V columns are vocabulary columns from column_begin.
+// target null: the column sums alone (the caller adds the target terms).
+void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
+                             std::int64_t column_begin, const std::int64_t* target, const float* target_coef,
+                             float* grad_bias, cudaStream_t);
 
-// With grad_W as a bf16 hi/lo pair (hilo_gemm.h; hi, lo [V, ld_w]): the target term grad_W[target[r]] += c[r] x[r]
-// over the chunk's rows, summed per target in fp32 in chunk order and added into the pair once per target
-// (deterministic, no atomics). The bias's target term stays with launch_target_scatter (grad_weight null).
-void launch_target_rows_hilo(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows&,
-                             const std::int64_t* target, const float* target_coef, __nv_bfloat16* hi,
-                             __nv_bfloat16* lo, std::int64_t ld_w, cudaStream_t);
+// Where the target term goes: the bf16 hi/lo pair (hilo_gemm.h; hi, lo [V, ld_w]) or an fp32 accumulator [V, ld_w].
+struct TargetRowsSink {
+  __nv_bfloat16* hi = nullptr;
+  __nv_bfloat16* lo = nullptr;
+  float* f32 = nullptr;
+  std::int64_t ld_w = 0;
+};
+// The target term grad_W[target[r]] += c[r] x[r] over the chunk's rows, summed per target in fp32 in chunk order
+// and added into the sink once per target (deterministic, no atomics). The bias's target term is
+// launch_bias_column_sums'.
+void launch_target_rows(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows&,
+                        const std::int64_t* target, const float* target_coef, const TargetRowsSink&, cudaStream_t);
 
 // hi/lo rows [v_begin, v_end) (+)= dz[rows, v]^T x[rows, H] in fp32 (overwrite: the first term): the last V % 8
 // rows of the weight gradient, which the hi/lo GEMM leaves (a handful of rows; a plain loop over the chunk's rows).

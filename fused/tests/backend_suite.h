@@ -35,12 +35,16 @@ inline CaseSpec spec_of(Shape shape, double logit_scale, std::uint64_t seed) {
 // reference's mean is exact to double.)
 inline double logits_mean_tolerance(double logit_scale) { return 1e-6 * logit_scale; }
 
-inline void expect_meets_bar(const TensorMap& fused, const TensorMap& reference, double logit_scale) {
-  for (const auto& v : testing::bar_violations(fused, reference, logits_mean_tolerance(logit_scale))) ADD_FAILURE() << v;
+inline void expect_meets_bar(const TensorMap& fused, const TensorMap& reference, double logit_scale,
+                             DType input_dtype = DType::BF16) {
+  for (const auto& v :
+       testing::bar_violations(fused, reference, logits_mean_tolerance(logit_scale), input_dtype, logit_scale))
+    ADD_FAILURE() << v;
 }
 
+// SPEC's output dtypes: scalars F32, grad_x the inputs' dtype, grad_weight/grad_bias the inputs' dtype or F32.
 inline void expect_dtypes(const TensorMap& out, const Problem& problem, const Options& options) {
-  const DType grad_dtype = options.grad_weight_f32 ? DType::F32 : DType::BF16;
+  const DType grad_dtype = options.grad_weight_f32 ? DType::F32 : problem.input_dtype();
   for (const auto& name : all_output_names()) {
     const bool present = out.count(name) > 0;
     const bool wanted = !is_gradient_output(name) ||
@@ -49,7 +53,7 @@ inline void expect_dtypes(const TensorMap& out, const Problem& problem, const Op
     if (!present) continue;
     const Tensor& t = out.at(name);
     EXPECT_EQ(t.shape, output_shape(problem.shape, name)) << name;
-    if (name == output_name::grad_x) EXPECT_EQ(t.dtype, DType::BF16);
+    if (name == output_name::grad_x) EXPECT_EQ(t.dtype, problem.input_dtype());
     else if (is_gradient_output(name)) EXPECT_EQ(t.dtype, grad_dtype) << name;
     else EXPECT_EQ(t.dtype, DType::F32) << name;
   }
@@ -88,7 +92,7 @@ inline TensorMap check_case(const CaseSpec& spec, const Options& options) {
   const TensorMap exact = reference::compute(problem, ref_options);
   const TensorMap out = compute(problem, options);
   expect_dtypes(out, problem, options);
-  expect_meets_bar(out, exact, spec.logit_scale);
+  expect_meets_bar(out, exact, spec.logit_scale, problem.input_dtype());
   if (options.backend == Backend::cuda) {
     Options cpu = options;
     cpu.backend = Backend::cpu;

@@ -34,10 +34,10 @@ void target_the_argmax(Problem& p) {
     std::int64_t best = 0;
     double best_z = -INFINITY;
     for (std::int64_t v = 0; v < s.V; ++v) {
-      double z = p.has_bias() ? static_cast<double>(static_cast<float>((*p.bias)[static_cast<std::size_t>(v)])) : 0.0;
+      double z = p.has_bias() ? static_cast<double>(static_cast<float>(p.bias->as<bf16>()[static_cast<std::size_t>(v)])) : 0.0;
       for (std::int64_t h = 0; h < s.H; ++h)
-        z += static_cast<double>(static_cast<float>(p.x[static_cast<std::size_t>(r * s.H + h)])) *
-             static_cast<double>(static_cast<float>(p.weight[static_cast<std::size_t>(v * s.H + h)]));
+        z += static_cast<double>(static_cast<float>(p.x.as<bf16>()[static_cast<std::size_t>(r * s.H + h)])) *
+             static_cast<double>(static_cast<float>(p.weight.as<bf16>()[static_cast<std::size_t>(v * s.H + h)]));
       if (z > best_z) best_z = z, best = v;
     }
     p.target[static_cast<std::size_t>(r)] = best;

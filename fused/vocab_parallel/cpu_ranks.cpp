@@ -77,13 +77,13 @@ class Run {
       Rank rank;
       rank.shard = shard;
       rank.weight.resize(shard.size(), H);
-      const bf16* w = problem.weight.data() + shard.begin * H;
+      const bf16* w = problem.weight.as<bf16>().data() + shard.begin * H;
       for (Eigen::Index v = 0; v < shard.size(); ++v)
         for (Eigen::Index h = 0; h < H; ++h) rank.weight(v, h) = static_cast<float>(w[v * H + h]);
       if (problem.has_bias()) {
         rank.bias.resize(shard.size());
         for (Eigen::Index v = 0; v < shard.size(); ++v)
-          rank.bias[v] = static_cast<float>((*problem.bias)[static_cast<std::size_t>(shard.begin + v)]);
+          rank.bias[v] = static_cast<float>(problem.bias->as<bf16>()[static_cast<std::size_t>(shard.begin + v)]);
       }
       rank.logits.resize(rows, shard.size());
       if (options.gradients) {
@@ -124,7 +124,7 @@ class Run {
     for (int p = 0; p < chunk.part_count; ++p)
       for (std::int64_t r = chunk.parts[p].begin; r < chunk.parts[p].end; ++r) rows_.push_back(r);
     const Eigen::Index R = static_cast<Eigen::Index>(rows_.size()), H = shape_.H;
-    const bf16* x = problem_.x.data();
+    const bf16* x = problem_.x.as<bf16>().data();
     for (Eigen::Index i = 0; i < R; ++i)
       for (Eigen::Index h = 0; h < H; ++h) x_chunk_(i, h) = static_cast<float>(x[rows_[i] * H + h]);
     for (Rank& rank : ranks_) {
@@ -276,6 +276,8 @@ std::vector<RankOutputs> compute_ranks(const Problem& problem, const Options& op
   validate(problem, {.scan_values = options.validate});
   if (options.mutant != Mutant::none)
     throw InputError("mutants (" + mutant_name(options.mutant) + ") belong to the cpu backend, not to the vocab-parallel step");
+  if (problem.input_dtype() != DType::BF16)
+    throw InputError("the vocab-parallel step takes bf16 inputs; these are " + input_dtype_name(problem.input_dtype()));
   split_vocabulary(problem.shape.V, shards);  // the shard count's error before any allocation
   return Run(problem, options, shards).compute();
 }

@@ -142,11 +142,11 @@ class Step {
       r.gemm_scratch = DeviceBuffer(static_cast<std::size_t>(gemm_bytes_), who + "GEMM scratch");
       r.gemms = std::make_unique<cuda::Gemms>(r.stream, r.gemm_scratch.get(), static_cast<std::size_t>(gemm_bytes_));
 
-      r.x = upload_rows(problem.x.data(), N, H, ld_h_, who + "x", r.stream);
-      r.weight = upload_rows(problem.weight.data() + r.shard.begin * H, r.shard.size(), H, ld_h_, who + "weight shard",
+      r.x = upload_rows(problem.x.as<bf16>().data(), N, H, ld_h_, who + "x", r.stream);
+      r.weight = upload_rows(problem.weight.as<bf16>().data() + r.shard.begin * H, r.shard.size(), H, ld_h_, who + "weight shard",
                              r.stream);
       if (problem.has_bias())
-        r.bias = upload_rows(problem.bias->data() + r.shard.begin, 1, r.shard.size(), r.shard.size(), who + "bias shard",
+        r.bias = upload_rows(problem.bias->as<bf16>().data() + r.shard.begin, 1, r.shard.size(), r.shard.size(), who + "bias shard",
                              r.stream);
       r.target = upload(problem.target, who + "target", r.stream);
       std::vector<std::int64_t> local(problem.target.size());
@@ -385,7 +385,15 @@ class Step {
                                     r.grad_bias.as<float>(), r.stream);
         offset += part.rows();
       }
-      if (r.grad_bias.get()) cuda::launch_bias_column_sums(dz, r.ld_v, rows, V, r.grad_bias.as<float>(), r.stream);
+      if (r.grad_bias.get()) {
+        cuda::ChunkRows chunk_rows;
+        for (int i = 0; i < c.part_count; ++i) {
+          chunk_rows.begin[i] = c.parts[i].begin;
+          chunk_rows.rows[i] = c.parts[i].rows();
+        }
+        // The column sums alone: this rank's target terms come with launch_target_scatter above.
+        cuda::launch_bias_column_sums(dz, r.ld_v, chunk_rows, V, 0, nullptr, nullptr, r.grad_bias.as<float>(), r.stream);
+      }
     }
     first_weight_gemm_ = false;
     collectives_.all_reduce(buffers(&Rank::grad_x_part), static_cast<std::size_t>(rows * ld_h_), Collectives::Type::f32,

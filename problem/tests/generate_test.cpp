@@ -126,6 +126,37 @@ TEST(Generate, ParallelFillIsTheSequentialStream) {
   EXPECT_EQ(skipped.next(), stepped.next());
 }
 
+// The dtype is a parameter of the case: the same draws (so the same targets and the same bf16 bits as ever),
+// rounded through float to the dtype asked for.
+TEST(Generate, EveryInputDtypeRoundsTheSameDraws) {
+  CaseSpec spec = spec_of({2, 3, 5, 7}, IgnorePattern::random, 99);
+  spec.bias = true;
+  const Problem bf = generate(spec);
+  EXPECT_EQ(bf.input_dtype(), DType::BF16);
+  Rng rng(spec.seed);
+  std::vector<float> draws(bf.x.size() + bf.weight.size() + bf.bias->size());
+  const double w_std = spec.logit_scale / std::sqrt(5.0);
+  for (std::size_t i = 0; i < draws.size(); ++i) {
+    const double scale = i < bf.x.size() ? 1.0 : i < bf.x.size() + bf.weight.size() ? w_std : spec.logit_scale / 4;
+    draws[i] = static_cast<float>(scale * rng.normal());
+  }
+  for (DType dtype : {DType::F16, DType::F32}) {
+    spec.dtype = dtype;
+    const Problem p = generate(spec);
+    EXPECT_EQ(p.input_dtype(), dtype);
+    EXPECT_EQ(p.bias->dtype(), dtype);
+    EXPECT_EQ(p.target, bf.target);
+    std::size_t i = 0;
+    for (const InputValues* v : {&p.x, &p.weight, &*p.bias})
+      for (std::size_t j = 0; j < v->size(); ++j, ++i) {
+        const double want = dtype == DType::F32 ? draws[i] : static_cast<float>(f16(draws[i]));
+        ASSERT_EQ(v->value(j), want) << input_dtype_name(dtype) << " value " << i;
+      }
+  }
+  spec.dtype = DType::F64;
+  EXPECT_THROW(generate(spec), InputError);
+}
+
 TEST(Generate, CarriesSpecIntoProblem) {
   CaseSpec spec = spec_of({2, 5, 8, 17}, IgnorePattern::prompt_prefix, 123456789012345ull);
   spec.hp.beta = 2.5;
@@ -280,8 +311,8 @@ double logit_std(const Problem& p) {
     for (std::int64_t v = 0; v < s.V; ++v) {
       double z = 0;
       for (std::int64_t h = 0; h < s.H; ++h)
-        z += static_cast<double>(p.x[static_cast<std::size_t>(r * s.H + h)]) *
-             static_cast<double>(p.weight[static_cast<std::size_t>(v * s.H + h)]);
+        z += static_cast<double>(p.x.as<bf16>()[static_cast<std::size_t>(r * s.H + h)]) *
+             static_cast<double>(p.weight.as<bf16>()[static_cast<std::size_t>(v * s.H + h)]);
       sum += z;
       sum_sq += z * z;
     }
@@ -309,7 +340,7 @@ TEST(Generate, BiasScalesWithLogitScale) {
     spec.logit_scale = scale;
     const Problem p = generate(spec);
     double sum_sq = 0;
-    for (bf16 v : *p.bias) sum_sq += static_cast<double>(v) * static_cast<double>(v);
+    for (bf16 v : p.bias->as<bf16>()) sum_sq += static_cast<double>(v) * static_cast<double>(v);
     EXPECT_NEAR(std::sqrt(sum_sq / 4000) / (scale / 4), 1.0, 0.056) << "logit_scale " << scale;
   }
 }

@@ -47,6 +47,8 @@ SafetensorsFile every_dtype_file() {
   f.tensors["d_i64"] = Tensor::from<std::int64_t>({2, 1, 2}, i);
   f.tensors["e_f32_scalar"] = Tensor::scalar<float>(-1.5f);
   f.tensors["f_i64_scalar"] = Tensor::scalar<std::int64_t>(-7);
+  const std::vector<f16> h = {f16(1.0f), f16(-65504.0f), f16(0x1p-24f), f16(0.1f)};  // max, smallest subnormal
+  f.tensors["a_f16"] = Tensor::from<f16>({4}, h);
   f.metadata = {{"seed", "42"}, {"description", "every dtype, \"quoted\" and unicode: \xce\xb2"}, {"empty", ""}};
   return f;
 }
@@ -231,7 +233,7 @@ TEST(SafetensorsMalformed, OverlappingOffsets) {
 }
 
 TEST(SafetensorsMalformed, UnknownDtype) {
-  for (const char* dtype : {"F16", "U8", "bf16", ""}) {
+  for (const char* dtype : {"F8_E4M3", "U8", "bf16", ""}) {
     const std::string header =
         std::string(R"({"w":{"dtype":")") + dtype + R"(","shape":[1],"data_offsets":[0,2]}})";
     const std::string m = parse_error(raw_file(header, std::string(2, '\0')));
@@ -289,8 +291,8 @@ TEST(SafetensorsMalformed, EverySingleByteCorruptionIsHandled) {
 Problem small_problem() {
   Problem p;
   p.shape = {2, 3, 4, 5};
-  for (int i = 0; i < 24; ++i) p.x.push_back(bf16(0.25f * static_cast<float>(i - 12)));
-  for (int i = 0; i < 20; ++i) p.weight.push_back(bf16(-0.125f * static_cast<float>(i % 7)));
+  for (int i = 0; i < 24; ++i) p.x.as<bf16>().push_back(bf16(0.25f * static_cast<float>(i - 12)));
+  for (int i = 0; i < 20; ++i) p.weight.as<bf16>().push_back(bf16(-0.125f * static_cast<float>(i % 7)));
   p.bias = std::vector<bf16>{bf16(1.0f), bf16(-1.0f), bf16(0.5f), bf16(0.0f), bf16(2.0f)};
   p.target = {0, 1, -100, 4, 3, 2};
   return p;
@@ -340,6 +342,47 @@ TEST(ProblemFile, BadMetadataValueNamesTheKey) {
   }
 }
 
+// SPEC: inputs in BF16, F16 or F32 travel through a file bit for bit, their dtype with them.
+TEST(ProblemFile, F16AndF32InputsRoundTripExactly) {
+  const Problem bf = small_problem();
+  auto converted = [&]<class T>(T) {
+    Problem p = bf;
+    auto as = [](const InputValues& v) {
+      std::vector<T> out(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) out[i] = T(static_cast<float>(v.value(i)));
+      return out;
+    };
+    p.x = as(bf.x);
+    p.weight = as(bf.weight);
+    p.bias = as(*bf.bias);
+    if constexpr (std::is_same_v<T, float>) p.x.as<float>()[0] = 0x1.234568p-3f;  // not a bf16 or f16 value
+    return p;
+  };
+  for (const Problem& p : {converted(f16()), converted(0.0f)}) {
+    const SafetensorsFile f = parse_safetensors(serialize_safetensors(problem_to_file(p)), "memory");
+    for (const char* name : {"x", "weight", "bias"}) EXPECT_EQ(f.tensors.at(name).dtype, p.input_dtype()) << name;
+    const Problem q = problem_from_file(f, "memory");
+    EXPECT_EQ(q.input_dtype(), p.input_dtype());
+    EXPECT_EQ(q.x, p.x);
+    EXPECT_EQ(q.weight, p.weight);
+    EXPECT_EQ(*q.bias, *p.bias);
+    EXPECT_NO_THROW(validate(q));
+  }
+}
+
+// A file may hold any input dtype per tensor; that they must agree is validate()'s rule, which names both.
+TEST(ProblemFile, MixedInputDtypesAreRefusedNamingBoth) {
+  SafetensorsFile f = problem_to_file(small_problem());
+  f.tensors["weight"] = Tensor(DType::F32, {5, 4});
+  const Problem p = problem_from_file(f, "in.safetensors");
+  try {
+    validate(p);
+    ADD_FAILURE() << "accepted";
+  } catch (const InputError& e) {
+    EXPECT_CONTAINS(e.what(), "x is BF16 but weight is F32");
+  }
+}
+
 TEST(ProblemFile, WrongDtypeMissingTensorAndDisagreeingShapesAreNamed) {
   auto message = [](const SafetensorsFile& f) -> std::string {
     try {
@@ -351,8 +394,11 @@ TEST(ProblemFile, WrongDtypeMissingTensorAndDisagreeingShapesAreNamed) {
     return "";
   };
   SafetensorsFile f = problem_to_file(small_problem());
+  f.tensors["x"] = Tensor(DType::F64, {2, 3, 4});
+  EXPECT_CONTAINS(message(f), "x is F64, SPEC says BF16, F16 or F32");
   f.tensors["x"] = Tensor(DType::F32, {2, 3, 4});
-  EXPECT_CONTAINS(message(f), "x is F32");
+  f.tensors["target"] = Tensor(DType::BF16, {2, 3});
+  EXPECT_CONTAINS(message(f), "target is BF16, SPEC says I64");
 
   f = problem_to_file(small_problem());
   f.tensors.erase("target");

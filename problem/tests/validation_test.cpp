@@ -20,8 +20,8 @@ constexpr std::int64_t kIgnore = -100;
 Problem valid_problem() {
   Problem p;
   p.shape = {4, 3, 4, 5};
-  for (int i = 0; i < 4 * 3 * 4; ++i) p.x.push_back(bf16(0.25f * static_cast<float>(i % 9 - 4)));
-  for (int i = 0; i < 5 * 4; ++i) p.weight.push_back(bf16(0.125f * static_cast<float>(i % 5 - 2)));
+  for (int i = 0; i < 4 * 3 * 4; ++i) p.x.as<bf16>().push_back(bf16(0.25f * static_cast<float>(i % 9 - 4)));
+  for (int i = 0; i < 5 * 4; ++i) p.weight.as<bf16>().push_back(bf16(0.125f * static_cast<float>(i % 5 - 2)));
   p.bias = std::vector<bf16>(5, bf16(0.5f));
   p.target = {kIgnore, 1, 2,  //
               kIgnore, 0, 4,  //
@@ -62,8 +62,8 @@ TEST(Validation, BadShapeIsNamed) {
     Problem p;
     p.shape = s;
     const auto n = [](std::int64_t a) { return static_cast<std::size_t>(std::max<std::int64_t>(a, 0)); };
-    p.x.assign(n(s.B * s.T * s.H), bf16(0.0f));
-    p.weight.assign(n(s.V * s.H), bf16(0.0f));
+    p.x.as<bf16>().assign(n(s.B * s.T * s.H), bf16(0.0f));
+    p.weight.as<bf16>().assign(n(s.V * s.H), bf16(0.0f));
     p.target.assign(n(s.B * s.T), 0);
     const std::string m = validation_error(p);
     EXPECT_CONTAINS(m, s.to_string());
@@ -167,32 +167,32 @@ TEST(Validation, NonFiniteInputNamesTensorAndFirstIndex) {
   const float inf = std::numeric_limits<float>::infinity();
 
   Problem p = valid_problem();
-  p.x[7] = bf16(nan);   // [B, T, H] = [4, 3, 4]: flat 7 is (0, 1, 3)
-  p.x[20] = bf16(inf);  // later: not the one named
+  p.x.as<bf16>()[7] = bf16(nan);   // [B, T, H] = [4, 3, 4]: flat 7 is (0, 1, 3)
+  p.x.as<bf16>()[20] = bf16(inf);  // later: not the one named
   std::string m = validation_error(p);
   EXPECT_CONTAINS(m, "x(0, 1, 3)");
   EXPECT_CONTAINS(m, "nan");
 
   p = valid_problem();
-  p.weight[9] = bf16(-inf);  // [V, H] = [5, 4]: flat 9 is (2, 1)
+  p.weight.as<bf16>()[9] = bf16(-inf);  // [V, H] = [5, 4]: flat 9 is (2, 1)
   m = validation_error(p);
   EXPECT_CONTAINS(m, "weight(2, 1)");
   EXPECT_CONTAINS(m, "inf");
 
   p = valid_problem();
-  (*p.bias)[3] = bf16(inf);
+  p.bias->as<bf16>()[3] = bf16(inf);
   m = validation_error(p);
   EXPECT_CONTAINS(m, "bias(3)");
   EXPECT_CONTAINS(m, "inf");
 
   // The largest finite bf16 is an ordinary value.
   p = valid_problem();
-  p.x[0] = std::numeric_limits<bf16>::max();
+  p.x.as<bf16>()[0] = std::numeric_limits<bf16>::max();
   EXPECT_NO_THROW(validate(p));
 
   // SPEC lets the scan be turned off, and only the scan.
   p = valid_problem();
-  p.x[7] = bf16(nan);
+  p.x.as<bf16>()[7] = bf16(nan);
   EXPECT_NO_THROW(validate(p, {.scan_values = false}));
   target_at(p, 0, 0) = 99;
   EXPECT_CONTAINS(validation_error(p, {.scan_values = false}), "target(0, 0) = 99");
@@ -236,23 +236,83 @@ TEST(Validation, HyperparameterOutOfRangeIsNamed) {
   EXPECT_NO_THROW(validate(p));
 }
 
+// valid_problem() with its inputs converted (exactly: every value is a multiple of 1/8) to T.
+template <class T> Problem converted(T) {
+  Problem p = valid_problem();
+  auto as = [](const InputValues& v) {
+    std::vector<T> out(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out[i] = T(static_cast<float>(v.value(i)));
+    return out;
+  };
+  p.x = as(p.x);
+  p.weight = as(p.weight);
+  p.bias = as(*p.bias);
+  return p;
+}
+
+// Row: "x, weight and bias share one dtype (mixing them is an error naming both)".
+TEST(Validation, EveryInputDtypeIsValidAndMixingThemNamesBoth) {
+  EXPECT_NO_THROW(validate(converted(bf16())));
+  EXPECT_NO_THROW(validate(converted(f16())));
+  EXPECT_NO_THROW(validate(converted(0.0f)));
+  EXPECT_EQ(converted(f16()).input_dtype(), DType::F16);
+
+  Problem p = converted(0.0f);
+  p.weight = converted(bf16()).weight;
+  std::string m = validation_error(p);
+  EXPECT_CONTAINS(m, "x is F32 but weight is BF16");
+
+  p = converted(f16());
+  p.bias = converted(0.0f).bias;
+  m = validation_error(p);
+  EXPECT_CONTAINS(m, "x is F16 but bias is F32");
+}
+
+// The NaN/Inf scan in every input dtype, naming the tensor and the first index; f16's largest finite value
+// (65504) is an ordinary value, a float beyond it is not an f16.
+TEST(Validation, NonFiniteInputIsNamedInEveryDtype) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  Problem p = converted(0.0f);
+  p.x.as<float>()[7] = nan;
+  EXPECT_CONTAINS(validation_error(p), "x(0, 1, 3)");
+  p = converted(0.0f);
+  p.bias->as<float>()[2] = -inf;
+  EXPECT_CONTAINS(validation_error(p), "bias(2) = -inf");
+  p = converted(0.0f);
+  p.x.as<float>()[0] = std::numeric_limits<float>::max();
+  EXPECT_NO_THROW(validate(p));
+
+  p = converted(f16());
+  p.weight.as<f16>()[9] = f16(inf);
+  EXPECT_CONTAINS(validation_error(p), "weight(2, 1) = inf");
+  p = converted(f16());
+  p.x.as<f16>()[20] = f16(nan);
+  EXPECT_CONTAINS(validation_error(p), "x(1, 2, 0) = nan");
+  p = converted(f16());
+  p.x.as<f16>()[0] = f16(65504.0f);
+  EXPECT_NO_THROW(validate(p));
+  p.x.as<f16>()[0] = f16(65536.0f);  // rounds to inf
+  EXPECT_CONTAINS(validation_error(p), "x(0, 0, 0) = inf");
+}
+
 // Row: "shapes that disagree between tensors -> error naming both shapes". A Problem holds flat vectors, so
 // the message gives the tensor's element count against the shape the problem's Shape requires.
 TEST(Validation, TensorSizeDisagreeingWithShapeNamesBoth) {
   Problem p = valid_problem();
-  p.x.pop_back();
+  p.x.as<bf16>().pop_back();
   std::string m = validation_error(p);
   EXPECT_CONTAINS(m, "x holds 47 values");
   EXPECT_CONTAINS(m, "[4, 3, 4]");
 
   p = valid_problem();
-  p.weight.resize(24);  // H = 4, V = 6: one row too many
+  p.weight.as<bf16>().resize(24);  // H = 4, V = 6: one row too many
   m = validation_error(p);
   EXPECT_CONTAINS(m, "weight holds 24 values");
   EXPECT_CONTAINS(m, "[5, 4]");
 
   p = valid_problem();
-  p.bias->resize(4);
+  p.bias->as<bf16>().resize(4);
   m = validation_error(p);
   EXPECT_CONTAINS(m, "bias holds 4 values");
   EXPECT_CONTAINS(m, "[5]");

@@ -44,15 +44,18 @@ def compute(x, weight, target, bias=None, *, impl="auto", gradients=True, grad_f
             workspace_bytes=DEFAULT_WORKSPACE_BYTES, max_chunk_rows=0, **hyperparameters):
     """SPEC's outputs for one problem, as a dict name -> array of the inputs' framework.
 
-    x [B,T,H], weight [V,H], bias [V] (optional): bfloat16 (numpy with ml_dtypes' bfloat16, torch, JAX, or any
-    array numpy can read); target [B,T]: any integer dtype (widened to int64 exactly). Hyperparameters are SPEC's
+    x [B,T,H], weight [V,H], bias [V] (optional): one dtype of bfloat16 (ml_dtypes' with numpy), float16 or float32
+    (numpy, torch, JAX, or any array numpy can read; mixing dtypes is an InputError naming both); target [B,T]: any
+    integer dtype (widened to int64 exactly). Gradients come back in the inputs' dtype (grad_weight and grad_bias in
+    float32 with grad_f32), scalars and per-pair outputs in float32 (float64 from impl="reference"). Hyperparameters are SPEC's
     (beta, gamma, alpha, label_smoothing, compute_nll_loss, ignore_index, grad_scale, empty_sequence); unknown
     names are an InputError.
 
     impl: "auto" (the cuda backend where a device is present, else cpu), "cuda", "cpu", or "reference" (float64).
     Inputs on a CUDA device (torch, or any DLPack CUDA array) stay there: the cuda backend reads them in place and
-    the outputs come back on that device (gradients bf16, or f32 with grad_f32; scalars f32). Host inputs give
-    host outputs. Invalid inputs raise InputError with SPEC's message.
+    the outputs come back on that device (gradients bf16, or f32 with grad_f32; scalars f32); it takes bfloat16
+    only (f16 and f32 inputs: on the host, impl "cpu" or "reference"). Host inputs give host outputs. Invalid
+    inputs raise InputError with SPEC's message.
     """
     if impl not in IMPLEMENTATIONS:
         raise InputError(f"impl {impl!r}: expected one of {', '.join(IMPLEMENTATIONS)}")

@@ -1,7 +1,8 @@
 """Arrays of any framework <-> the extension's wire form (dtype name, shape, contiguous host numpy buffer).
 
 bf16 travels as its 16-bit pattern (numpy uint16): neither numpy's DLPack nor its buffer protocol carries
-ml_dtypes' bfloat16, so the bytes go across untouched and the dtype name says what they are.
+ml_dtypes' bfloat16, so the bytes go across untouched and the dtype name says what they are. f16 comes back the same
+way (uint16 storage, dtype name F16) and is viewed as numpy's float16.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ except ImportError:  # pragma: no cover
     ml_dtypes = None
     _BF16 = None
 
-_NUMPY_TO_SPEC = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.int64): "I64"}
-_SPEC_TO_STORAGE = {"BF16": np.uint16, "F32": np.float32, "F64": np.float64, "I64": np.int64}
+_NUMPY_TO_SPEC = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
+                  np.dtype(np.int64): "I64"}
+_SPEC_TO_STORAGE = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I64": np.int64}
 
 # SPEC's hyperparameters, their types and defaults (SPEC "Inputs"; empty_sequence is SPEC's edge-case option).
 HYPERPARAMETERS = {
@@ -129,7 +131,8 @@ def to_wire(name: str, a, *, integer_to_int64: bool = False):
         arr = arr.astype(np.int64)
     spec = _NUMPY_TO_SPEC.get(arr.dtype)
     if spec is None:
-        raise InputError(f"{name} has dtype {arr.dtype}; SPEC's dtypes are bfloat16 (ml_dtypes), float32, float64, int64")
+        raise InputError(
+            f"{name} has dtype {arr.dtype}; SPEC's dtypes are bfloat16 (ml_dtypes), float16, float32, float64, int64")
     return spec, shape, np.ascontiguousarray(arr).reshape(-1)
 
 
@@ -144,7 +147,7 @@ def from_wire(wire, like=None):
         if dtype == "BF16":
             t = torch.from_numpy(storage.view(np.int16).copy()).view(torch.bfloat16)
         else:
-            t = torch.from_numpy(storage.copy())
+            t = torch.from_numpy(storage.view(_SPEC_TO_STORAGE[dtype]).copy())
         t = t.reshape(shape)
         return t.to(like.device) if like.is_cuda else t
     if dtype == "BF16":

@@ -26,8 +26,9 @@ def check_tensors(x, weight, target, bias):
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != torch.bfloat16:
             raise InputError(
-                f"{name} is {t.dtype}, SPEC says bfloat16: the fused kernel reads bf16 operands, and converting "
-                f"would change the problem (the result would be judged against the rounded inputs)")
+                f"{name} is {t.dtype}: the cuda backend takes bfloat16 device tensors (float16 and float32 inputs run "
+                f"on the host, impl 'cpu' or 'reference'); converting would change the problem (the result would be "
+                f"judged against the rounded inputs)")
     if target.dtype.is_floating_point or target.dtype == torch.bool:
         raise InputError(f"target is {target.dtype}, SPEC says int64")
     if x.dim() != 3:

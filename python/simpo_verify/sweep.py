@@ -111,7 +111,7 @@ def _name_of(fn) -> str:
 def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arrays="numpy", device=None,
           time_budget_s=0.0, shrink=True, shrink_attempts=150, shrink_seconds=60.0,
           counterexample_dir="simpo-counterexamples", name=None, stop_at_first_failure=False,
-          verbose_refusals=False, shapes=(), hyperparameter_sets=0, capabilities=None) -> SweepReport:
+          verbose_refusals=False, shapes=(), hyperparameter_sets=0, capabilities=None, dtypes=()) -> SweepReport:
     """Runs `cases` random cases (SPEC's properties against the float64 reference; at most time_budget_s seconds
     when > 0) against fn, shrinking the first failure of each property to a small counterexample whose inputs
     file goes to counterexample_dir ("" writes none).
@@ -137,6 +137,8 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
     "deterministic" holds fn to identical bits on a rerun, and otherwise report.spread lists the run-to-run
     differences. profile and also_judge also take "bf16_logits" (strict's derivation for logits rounded to bf16
     before the softmax, as TRL's eager loss and Liger do).
+    dtypes: the input dtypes cases draw from ("bf16", "f16", "f32"; each case one, uniformly), so fn is called with
+    float16 or float32 arrays too; () draws bf16 only, the same cases as ever.
     """
     for p in (profile, *also_judge):
         if p not in ("strict", "bf16_logits", "peer"):
@@ -162,5 +164,5 @@ def sweep(fn, cases=300, seed=20260101, profile="strict", *, also_judge=(), arra
         shape_list.append(tuple(int(v) for v in sh))
     raw = _core.sweep(case, name, seed, cases, time_budget_s, shrink, counterexample_dir or "",
                       stop_at_first_failure, profile, judged, shrink_attempts, shrink_seconds, shape_list,
-                      int(hyperparameter_sets), declared)
+                      int(hyperparameter_sets), declared, [str(d) for d in dtypes])
     return SweepReport(raw, profile)

@@ -60,8 +60,8 @@ TensorMap tensors_from(const std::map<std::string, WireTensor>& wire) {
   return out;
 }
 
-// A Tensor -> (dtype name, shape, numpy array over a heap copy of its bytes: uint16 for BF16, float32, float64,
-// int64). The Python layer views the uint16 as bfloat16.
+// A Tensor -> (dtype name, shape, numpy array over a heap copy of its bytes: uint16 for BF16 and F16, float32,
+// float64, int64). The Python layer views the uint16 as bfloat16 or float16.
 template <class T> nb::object numpy_of(const Tensor& t) {
   using Bytes = decltype(Tensor::bytes);  // a vector of bytes (its allocator is problem/tensor.h's business)
   auto* copy = new Bytes(t.bytes);
@@ -74,7 +74,8 @@ template <class T> nb::object numpy_of(const Tensor& t) {
 nb::tuple wire_of(const Tensor& t) {
   nb::object array;
   switch (t.dtype) {
-    case DType::BF16: array = numpy_of<std::uint16_t>(t); break;
+    case DType::BF16:
+    case DType::F16: array = numpy_of<std::uint16_t>(t); break;
     case DType::F32: array = numpy_of<float>(t); break;
     case DType::F64: array = numpy_of<double>(t); break;
     case DType::I64: array = numpy_of<std::int64_t>(t); break;
@@ -191,7 +192,7 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
                bool shrink, const std::string& counterexample_dir, bool stop_at_first_failure,
                const std::string& profile_name, const std::vector<std::string>& also_judge, int shrink_attempts,
                double shrink_seconds, const std::vector<std::array<std::int64_t, 4>>& shapes,
-               int hyperparameter_sets, const std::string& capabilities_json) {
+               int hyperparameter_sets, const std::string& capabilities_json, const std::vector<std::string>& dtypes) {
   const sv::Profile profile = sv::profile_from_name(profile_name);
   const std::string profile_flags = profile.kind == sv::ProfileKind::strict ? "" : " --profile " + profile.name();
   sv::Implementation impl = python_implementation(std::move(fn), name);
@@ -213,6 +214,13 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   if (hyperparameter_sets < 0)
     throw InputError("hyperparameter_sets = " + std::to_string(hyperparameter_sets) + ": expected 0 (drawn per case) or more");
   options.distribution.hyperparameter_sets = hyperparameter_sets;
+  for (const std::string& dtype : dtypes) {
+    try {
+      options.distribution.dtypes.push_back(simpo::input_dtype_from_name(dtype));
+    } catch (const InputError& e) {
+      throw InputError(std::string("dtypes: ") + e.what());
+    }
+  }
   nb::dict d;
   nb::list failures;
   nb::dict profiles;
@@ -487,5 +495,5 @@ NB_MODULE(_core, m) {
 
   m.def("sweep", &sweep, "fn"_a, "name"_a, "seed"_a, "cases"_a, "time_budget_s"_a, "shrink"_a,
         "counterexample_dir"_a, "stop_at_first_failure"_a, "profile"_a, "also_judge"_a, "shrink_attempts"_a, "shrink_seconds"_a,
-        "shapes"_a, "hyperparameter_sets"_a, "capabilities"_a = "");
+        "shapes"_a, "hyperparameter_sets"_a, "capabilities"_a = "", "dtypes"_a = std::vector<std::string>{});
 }

@@ -26,6 +26,48 @@ def test_outputs_and_dtypes(impl):
         assert sv.check({"x": x, "weight": w, "target": t, "bias": b}, out).passed
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+def test_float16_and_float32_inputs(impl, dtype):
+    """SPEC's other input dtypes: gradients in the inputs' dtype (or f32 on request), judged strict against bounds
+    for that dtype; the float64 reference reads them exactly."""
+    x, w, t, b = make_problem(bias=True, dtype=dtype)
+    out = sv.compute(x, w, t, b, impl=impl)
+    assert set(out) == OUTPUTS | {"grad_bias"}
+    if impl == "reference":
+        assert all(v.dtype == np.float64 for v in out.values())
+    else:
+        assert out["loss"].dtype == np.float32
+        assert out["grad_x"].dtype == dtype and out["grad_weight"].dtype == dtype and out["grad_bias"].dtype == dtype
+        f32 = sv.compute(x, w, t, b, impl=impl, grad_f32=True)
+        assert f32["grad_x"].dtype == dtype and f32["grad_weight"].dtype == np.float32
+    inputs = {"x": x, "weight": w, "target": t, "bias": b}
+    assert sv.check(inputs, out).passed
+    # The same outputs through bf16 (inputs rounded, gradients as bf16 values in the inputs' dtype) fail f32's bounds.
+    if impl == "cpu" and dtype == np.float32:
+        via = sv.compute(*(a.astype(ml_dtypes.bfloat16) for a in (x, w)), t, b.astype(ml_dtypes.bfloat16), impl="cpu")
+        via = {k: v.astype(np.float32) for k, v in via.items()}
+        assert not sv.check(inputs, via).passed
+
+
+def test_float32_reference_reads_values_bf16_cannot_hold():
+    """An f32 input one f32 ulp away gives another reference result: nothing is rounded through bf16."""
+    x, w, t, _ = make_problem(dtype=np.float32)
+    w2 = w.copy()
+    w2[3, 4] = np.nextafter(w2[3, 4], np.float32(np.inf))
+    assert sv.compute(x, w, t, impl="reference")["loss"] != sv.compute(x, w2, t, impl="reference")["loss"]
+
+
+def test_float16_and_float32_files_round_trip(tmp_path):
+    for dtype in (np.float16, np.float32):
+        x, w, t, b = make_problem(bias=True, dtype=dtype)
+        path = str(tmp_path / f"in_{np.dtype(dtype).name}.safetensors")
+        sv.save_inputs(path, x, w, t, b, beta=0.3)
+        loaded = sv.load_inputs(path)
+        assert loaded["x"].dtype == dtype and loaded["bias"].dtype == dtype
+        np.testing.assert_array_equal(loaded["weight"], w)
+
+
 def test_matches_the_numbers_of_spec():
     """One pair, one token each, V = 2, H = 1: the loss by hand from SPEC's formulas."""
     x = np.array([[[1.0]], [[1.0]]], dtype=ml_dtypes.bfloat16)
@@ -70,7 +112,9 @@ def test_integer_targets_are_widened():
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda x, w, t: (x[:3], w, t[:3]), "B must be even"),
-    (lambda x, w, t: (x.astype(np.float32), w, t), "x is F32, SPEC says BF16"),
+    (lambda x, w, t: (x.astype(np.float32), w, t), "x is F32 but weight is BF16"),
+    (lambda x, w, t: (x.astype(np.float16), w.astype(np.float32), t), "x is F16 but weight is F32"),
+    (lambda x, w, t: (x.astype(np.float64), w, t), "x is F64, SPEC says BF16, F16 or F32"),
     (lambda x, w, t: (x, w, np.where(np.arange(t.shape[1]) < 99, -100, t)), "has no completion token"),
     (lambda x, w, t: (x, w, np.where(t >= 0, t + 1000, t)), "is outside [0, V)"),
     (lambda x, w, t: (x, w[:, :5], t), "shapes disagree"),

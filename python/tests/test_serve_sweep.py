@@ -204,3 +204,22 @@ def test_peer_report_module(tmp_path):
     assert ours["profiles"]["strict"]["failed"] == 0 and ours["profiles"]["bf16_logits"]["failed"] == 0
     assert scaled["profiles"]["strict"]["failed"] > 0
     assert "| `exec:python3 -m simpo_verify.serve impls:ours` |" in open(out + ".md").read()
+
+
+def test_sweep_over_every_input_dtype():
+    """dtypes= draws each case's input dtype: the callable sees float16 and float32 arrays too, its gradients in
+    that dtype pass strict; a bad name is refused before any case runs."""
+    import numpy as np
+    from impls import ours
+
+    seen = set()
+
+    def recording(x, weight, target, bias=None, **kw):
+        seen.add(np.dtype(x.dtype).name)
+        return ours(x, weight, target, bias, **kw)
+
+    r = sv.sweep(recording, cases=12, seed=5, dtypes=("bf16", "f16", "f32"), shrink=False, counterexample_dir="")
+    assert r.cases == 12 and r.passed, str(r)
+    assert {"bfloat16", "float16", "float32"} <= seen, seen
+    with pytest.raises(sv.InputError, match="dtypes"):
+        sv.sweep(ours, cases=1, dtypes=("f8",), counterexample_dir="")

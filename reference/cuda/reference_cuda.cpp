@@ -361,9 +361,9 @@ ForwardOutputs compute_core(const Problem& problem, const Options& options, Grad
       kernels::widen_bf16(staging.as<std::uint16_t>(), out.as<double>(), static_cast<std::int64_t>(values.size()), stream);
       check_launch("widen_bf16");
     };
-    widen_one(problem.x, d.x, "x to the device");
-    widen_one(problem.weight, d.weight, "weight to the device");
-    if (problem.bias) widen_one(*problem.bias, d.bias, "bias to the device");
+    widen_one(problem.x.as<bf16>(), d.x, "x to the device");
+    widen_one(problem.weight.as<bf16>(), d.weight, "weight to the device");
+    if (problem.bias) widen_one(problem.bias->as<bf16>(), d.bias, "bias to the device");
     check(cudaStreamSynchronize(stream), "widening the inputs");  // the staging buffer goes next
   });
 }

@@ -50,65 +50,92 @@ void PrintTo(const TwoTokenCase& c, std::ostream* os) { *os << c.name; }
 //   grad_x = (G_c d, -G_r d),  grad_w = (G_c a - G_r b, -G_c a + G_r b),  grad_bias = (G_c - G_r, G_r - G_c)
 class TwoTokenVocabulary : public ::testing::TestWithParam<TwoTokenCase> {};
 
+// The inputs in each dtype, with values that dtype holds and the narrower ones do not (f16 and f32 spend their
+// extra mantissa bits: a reader that went through bf16 would be off by ~2^-9, the tolerance is 4e-14).
+struct TwoTokenValues {
+  DType dtype;
+  double a, b, w0, w1, b0, b1;
+};
+const TwoTokenValues two_token_values[] = {
+    {DType::BF16, 1.5, -0.5, 0.75, -1.25, 0.25, -0.5},
+    {DType::F16, 1.5 + 0x1p-9, -0.5 - 0x1p-11, 0.75 + 0x1p-10, -1.25 + 0x1p-9, 0.25 + 0x1p-12, -0.5 - 0x1p-11},
+    {DType::F32, 1.5 + 0x1p-20, -0.5 - 0x1p-23, 0.75 + 0x3p-22, -1.25 + 0x1p-21, 0.25 - 0x1p-25, -0.5 - 0x5p-24},
+};
+
+template <class T> InputValues input_values(std::initializer_list<double> v) {
+  std::vector<T> out;
+  for (double d : v) {
+    out.push_back(T(static_cast<float>(d)));
+    if (static_cast<double>(static_cast<float>(out.back())) != d) throw std::logic_error("not exact in the dtype");
+  }
+  return out;
+}
+InputValues input_values(DType dtype, std::initializer_list<double> v) {
+  return dtype == DType::F16 ? input_values<f16>(v) : dtype == DType::F32 ? input_values<float>(v) : input_values<bf16>(v);
+}
+
 TEST_P(TwoTokenVocabulary, MatchesClosedForm) {
-  const TwoTokenCase& param = GetParam();
-  const double a = 1.5, b = -0.5, w0 = 0.75, w1 = -1.25, b0 = param.bias ? 0.25 : 0.0, b1 = param.bias ? -0.5 : 0.0;
-  const Hyperparameters& hp = param.hp;
+  for (const TwoTokenValues& in : two_token_values) {
+    SCOPED_TRACE(input_dtype_name(in.dtype) + " inputs");
+    const TwoTokenCase& param = GetParam();
+    const double a = in.a, b = in.b, w0 = in.w0, w1 = in.w1, b0 = param.bias ? in.b0 : 0.0, b1 = param.bias ? in.b1 : 0.0;
+    const Hyperparameters& hp = param.hp;
 
-  Problem problem;
-  problem.shape = {2, 1, 1, 2};
-  problem.hp = hp;
-  problem.x = {bf16(a), bf16(b)};
-  problem.weight = {bf16(w0), bf16(w1)};
-  if (param.bias) problem.bias = std::vector<bf16>{bf16(b0), bf16(b1)};
-  problem.target = {param.chosen_empty ? hp.ignore_index : 0, param.rejected_empty ? hp.ignore_index : 1};
+    Problem problem;
+    problem.shape = {2, 1, 1, 2};
+    problem.hp = hp;
+    problem.x = input_values(in.dtype, {a, b});
+    problem.weight = input_values(in.dtype, {w0, w1});
+    if (param.bias) problem.bias = input_values(in.dtype, {b0, b1});
+    problem.target = {param.chosen_empty ? hp.ignore_index : 0, param.rejected_empty ? hp.ignore_index : 1};
 
-  const double d = w0 - w1, e = b0 - b1;
-  const double u_c = a * d + e, u_r = -(b * d + e);
-  const double c = param.chosen_empty ? 0.0 : naive_log_sigmoid(u_c);
-  const double r = param.rejected_empty ? 0.0 : naive_log_sigmoid(u_r);
-  const double ls = hp.label_smoothing;
-  const double s = hp.beta * (c - r) - hp.gamma;
-  const double pref = -(1 - ls) * naive_log_sigmoid(s) - ls * naive_log_sigmoid(-s);
-  const double pref_slope = -(1 - ls) * naive_sigmoid(-s) + ls * naive_sigmoid(s);
-  const bool nll_on = hp.compute_nll_loss && !param.chosen_empty;
-  const double nll = nll_on ? -c : 0.0;
-  const double G_c = param.chosen_empty ? 0.0 : hp.grad_scale * (hp.beta * pref_slope - (nll_on ? hp.alpha : 0.0)) * naive_sigmoid(-u_c);
-  const double G_r = param.rejected_empty ? 0.0 : hp.grad_scale * (-hp.beta * pref_slope) * naive_sigmoid(-u_r);
+    const double d = w0 - w1, e = b0 - b1;
+    const double u_c = a * d + e, u_r = -(b * d + e);
+    const double c = param.chosen_empty ? 0.0 : naive_log_sigmoid(u_c);
+    const double r = param.rejected_empty ? 0.0 : naive_log_sigmoid(u_r);
+    const double ls = hp.label_smoothing;
+    const double s = hp.beta * (c - r) - hp.gamma;
+    const double pref = -(1 - ls) * naive_log_sigmoid(s) - ls * naive_log_sigmoid(-s);
+    const double pref_slope = -(1 - ls) * naive_sigmoid(-s) + ls * naive_sigmoid(s);
+    const bool nll_on = hp.compute_nll_loss && !param.chosen_empty;
+    const double nll = nll_on ? -c : 0.0;
+    const double G_c = param.chosen_empty ? 0.0 : hp.grad_scale * (hp.beta * pref_slope - (nll_on ? hp.alpha : 0.0)) * naive_sigmoid(-u_c);
+    const double G_r = param.rejected_empty ? 0.0 : hp.grad_scale * (-hp.beta * pref_slope) * naive_sigmoid(-u_r);
 
-  const TensorMap out = compute(problem, test_options());
-  const double tol = kClosedFormTolerance;
-  EXPECT_NEAR(scalar(out, "loss"), hp.alpha * nll + pref, tol);
-  EXPECT_NEAR(scalar(out, "nll_loss"), nll, tol);
-  EXPECT_NEAR(scalar(out, "chosen_logps"), c, tol);
-  EXPECT_NEAR(scalar(out, "rejected_logps"), r, tol);
-  EXPECT_NEAR(scalar(out, "chosen_rewards"), hp.beta * c, tol);
-  EXPECT_NEAR(scalar(out, "rejected_rewards"), hp.beta * r, tol);
-  EXPECT_NEAR(scalar(out, "chosen_logits_mean"), (a * (w0 + w1) + b0 + b1) / 2, tol);
-  EXPECT_NEAR(scalar(out, "rejected_logits_mean"), (b * (w0 + w1) + b0 + b1) / 2, tol);
+    const TensorMap out = compute(problem, test_options());
+    const double tol = kClosedFormTolerance;
+    EXPECT_NEAR(scalar(out, "loss"), hp.alpha * nll + pref, tol);
+    EXPECT_NEAR(scalar(out, "nll_loss"), nll, tol);
+    EXPECT_NEAR(scalar(out, "chosen_logps"), c, tol);
+    EXPECT_NEAR(scalar(out, "rejected_logps"), r, tol);
+    EXPECT_NEAR(scalar(out, "chosen_rewards"), hp.beta * c, tol);
+    EXPECT_NEAR(scalar(out, "rejected_rewards"), hp.beta * r, tol);
+    EXPECT_NEAR(scalar(out, "chosen_logits_mean"), (a * (w0 + w1) + b0 + b1) / 2, tol);
+    EXPECT_NEAR(scalar(out, "rejected_logits_mean"), (b * (w0 + w1) + b0 + b1) / 2, tol);
 
-  const auto grad_x = values(out, "grad_x");
-  const auto grad_w = values(out, "grad_weight");
-  ASSERT_EQ(grad_x.size(), 2u);
-  ASSERT_EQ(grad_w.size(), 2u);
-  EXPECT_NEAR(grad_x[0], G_c * d, tol);
-  EXPECT_NEAR(grad_x[1], -G_r * d, tol);
-  EXPECT_NEAR(grad_w[0], G_c * a - G_r * b, tol);
-  EXPECT_NEAR(grad_w[1], -G_c * a + G_r * b, tol);
-  if (param.bias) {
-    const auto grad_bias = values(out, "grad_bias");
-    ASSERT_EQ(grad_bias.size(), 2u);
-    EXPECT_NEAR(grad_bias[0], G_c - G_r, tol);
-    EXPECT_NEAR(grad_bias[1], G_r - G_c, tol);
-  } else {
-    EXPECT_EQ(out.count("grad_bias"), 0u);
-  }
-  // An empty sequence contributes no gradient at all: exactly zero, not merely small.
-  if (param.chosen_empty) {
-    EXPECT_EQ(grad_x[0], 0.0);
-  }
-  if (param.rejected_empty) {
-    EXPECT_EQ(grad_x[1], 0.0);
+    const auto grad_x = values(out, "grad_x");
+    const auto grad_w = values(out, "grad_weight");
+    ASSERT_EQ(grad_x.size(), 2u);
+    ASSERT_EQ(grad_w.size(), 2u);
+    EXPECT_NEAR(grad_x[0], G_c * d, tol);
+    EXPECT_NEAR(grad_x[1], -G_r * d, tol);
+    EXPECT_NEAR(grad_w[0], G_c * a - G_r * b, tol);
+    EXPECT_NEAR(grad_w[1], -G_c * a + G_r * b, tol);
+    if (param.bias) {
+      const auto grad_bias = values(out, "grad_bias");
+      ASSERT_EQ(grad_bias.size(), 2u);
+      EXPECT_NEAR(grad_bias[0], G_c - G_r, tol);
+      EXPECT_NEAR(grad_bias[1], G_r - G_c, tol);
+    } else {
+      EXPECT_EQ(out.count("grad_bias"), 0u);
+    }
+    // An empty sequence contributes no gradient at all: exactly zero, not merely small.
+    if (param.chosen_empty) {
+      EXPECT_EQ(grad_x[0], 0.0);
+    }
+    if (param.rejected_empty) {
+      EXPECT_EQ(grad_x[1], 0.0);
+    }
   }
 }
 
@@ -132,11 +159,11 @@ TEST(UniformLogits, MatchesClosedForm) {
   problem.shape = {B, T, H, V};
   problem.hp = hyperparameters(1.5, 0.7, 0.8, 0.1, 2.0);
   const std::int64_t I = problem.hp.ignore_index;
-  problem.x = {bf16(0.5f), bf16(-1.0f), bf16(2.0f), bf16(0.25f), bf16(-0.75f), bf16(1.5f),
+  problem.x = std::vector<bf16>{bf16(0.5f), bf16(-1.0f), bf16(2.0f), bf16(0.25f), bf16(-0.75f), bf16(1.5f),
                bf16(1.0f), bf16(3.0f),  bf16(-2.0f), bf16(0.5f), bf16(0.125f), bf16(-1.25f),
                bf16(-0.5f), bf16(1.0f), bf16(0.75f), bf16(2.5f), bf16(-3.0f), bf16(0.5f),
                bf16(1.75f), bf16(-0.25f), bf16(0.0f), bf16(1.0f), bf16(-1.5f), bf16(2.0f)};
-  problem.weight.assign(V * H, bf16(0.0f));
+  problem.weight.as<bf16>().assign(V * H, bf16(0.0f));
   problem.bias = std::vector<bf16>(V, bf16(0.75f));
   problem.target = {1, I, 4, /**/ 0, 2, 3, /**/ I, I, 2, /**/ 4, 4, I};
   const std::vector<std::int64_t> tokens = {2, 3, 1, 2};
@@ -158,7 +185,7 @@ TEST(UniformLogits, MatchesClosedForm) {
       for (std::int64_t v = 0; v < V; ++v) {
         const double dz = k * ((v == target ? 1.0 : 0.0) - 1.0 / V);
         grad_bias[v] += dz;
-        for (std::int64_t h = 0; h < H; ++h) grad_w[v * H + h] += dz * static_cast<float>(problem.x[(b * T + t) * H + h]);
+        for (std::int64_t h = 0; h < H; ++h) grad_w[v * H + h] += dz * static_cast<float>(problem.x.as<bf16>()[(b * T + t) * H + h]);
       }
     }
 
@@ -191,8 +218,8 @@ TEST(UniformLogits, MatchesClosedForm) {
 TEST(LargeLogits, StayFiniteAndKeepTinyValuesRelativelyExact) {
   Problem problem;
   problem.shape = {2, 1, 1, 2};
-  problem.x = {bf16(32.0f), bf16(16.0f)};
-  problem.weight = {bf16(32.0f), bf16(-8.0f)};
+  problem.x = std::vector<bf16>{bf16(32.0f), bf16(16.0f)};
+  problem.weight = std::vector<bf16>{bf16(32.0f), bf16(-8.0f)};
   problem.target = {1, 0};
   const double q = std::exp(-640.0);
   ASSERT_GT(q, 0.0);

@@ -56,8 +56,8 @@ TEST_P(InputErrors, SurfaceFromComputeNamingTheProblem) {
 
 void set_shape(Problem& p, Shape s) {
   p.shape = s;
-  p.x.assign(static_cast<std::size_t>(std::max<std::int64_t>(0, s.B * s.T * s.H)), bf16(0.5f));
-  p.weight.assign(static_cast<std::size_t>(std::max<std::int64_t>(0, s.V * s.H)), bf16(0.5f));
+  p.x.as<bf16>().assign(static_cast<std::size_t>(std::max<std::int64_t>(0, s.B * s.T * s.H)), bf16(0.5f));
+  p.weight.as<bf16>().assign(static_cast<std::size_t>(std::max<std::int64_t>(0, s.V * s.H)), bf16(0.5f));
   p.bias.reset();
   p.target.assign(static_cast<std::size_t>(std::max<std::int64_t>(0, s.B * s.T)), 0);
 }
@@ -86,9 +86,9 @@ INSTANTIATE_TEST_SUITE_P(
                     for (int t = 0; t < 6; ++t) p.target[t] = p.hp.ignore_index;
                   },
                   {"compute_nll_loss"}},
-        ErrorCase{"nan_in_x", [](Problem& p) { p.x[1 * 15 + 2 * 5 + 3] = bf16(static_cast<float>(kNaN)); }, {"x(1, 2, 3)"}},
-        ErrorCase{"inf_in_weight", [](Problem& p) { p.weight[4 * 5 + 1] = bf16(static_cast<float>(kInf)); }, {"weight(4, 1)"}},
-        ErrorCase{"nan_in_bias", [](Problem& p) { (*p.bias)[6] = bf16(static_cast<float>(kNaN)); }, {"bias(6)"}},
+        ErrorCase{"nan_in_x", [](Problem& p) { p.x.as<bf16>()[1 * 15 + 2 * 5 + 3] = bf16(static_cast<float>(kNaN)); }, {"x(1, 2, 3)"}},
+        ErrorCase{"inf_in_weight", [](Problem& p) { p.weight.as<bf16>()[4 * 5 + 1] = bf16(static_cast<float>(kInf)); }, {"weight(4, 1)"}},
+        ErrorCase{"nan_in_bias", [](Problem& p) { p.bias->as<bf16>()[6] = bf16(static_cast<float>(kNaN)); }, {"bias(6)"}},
         ErrorCase{"beta_zero", [](Problem& p) { p.hp.beta = 0; }, {"beta"}},
         ErrorCase{"beta_nan", [](Problem& p) { p.hp.beta = kNaN; }, {"beta"}},
         ErrorCase{"gamma_infinite", [](Problem& p) { p.hp.gamma = kInf; }, {"gamma"}},
@@ -96,9 +96,9 @@ INSTANTIATE_TEST_SUITE_P(
         ErrorCase{"label_smoothing_above_half", [](Problem& p) { p.hp.label_smoothing = 0.6; }, {"label_smoothing"}},
         ErrorCase{"label_smoothing_negative", [](Problem& p) { p.hp.label_smoothing = -0.1; }, {"label_smoothing"}},
         ErrorCase{"grad_scale_infinite", [](Problem& p) { p.hp.grad_scale = -kInf; }, {"grad_scale"}},
-        ErrorCase{"x_size_disagrees", [](Problem& p) { p.x.pop_back(); }, {"x", "[4, 3, 5]"}},
-        ErrorCase{"weight_size_disagrees", [](Problem& p) { p.weight.push_back(bf16(0.0f)); }, {"weight", "[7, 5]"}},
-        ErrorCase{"bias_size_disagrees", [](Problem& p) { p.bias->pop_back(); }, {"bias", "[7]"}},
+        ErrorCase{"x_size_disagrees", [](Problem& p) { p.x.as<bf16>().pop_back(); }, {"x", "[4, 3, 5]"}},
+        ErrorCase{"weight_size_disagrees", [](Problem& p) { p.weight.as<bf16>().push_back(bf16(0.0f)); }, {"weight", "[7, 5]"}},
+        ErrorCase{"bias_size_disagrees", [](Problem& p) { p.bias->as<bf16>().pop_back(); }, {"bias", "[7]"}},
         ErrorCase{"target_size_disagrees", [](Problem& p) { p.target.push_back(0); }, {"target", "[4, 3]"}}),
     [](const auto& info) { return std::string(info.param.name); });
 

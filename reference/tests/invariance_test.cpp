@@ -54,6 +54,9 @@ template <class T> std::vector<T> take_sequences(const std::vector<T>& flat, std
   for (std::int64_t b : order) out.insert(out.end(), flat.begin() + b * width, flat.begin() + (b + 1) * width);
   return out;
 }
+InputValues take_sequences(const InputValues& flat, std::int64_t width, const std::vector<std::int64_t>& order) {
+  return flat.visit([&](const auto& values) { return InputValues(take_sequences(values, width, order)); });
+}
 
 TEST(Invariance, ConstantAddedToEveryBiasChangesOnlyTheLogitsMeans) {
   const Problem problem = make_problem(21, interesting_hp());
@@ -210,6 +213,39 @@ TEST(Invariance, ScheduleDoesNotChangeTheResult) {
       EXPECT_LT(normwise_error(values(got, name), tensor.to_double()), kRoundingTolerance)
           << name << ", chunk_rows " << chunk_rows;
   }
+}
+
+// The reference reads every input dtype exactly, so the same values given as bf16, f16 or f32 give the same
+// outputs bit for bit (the dtype never enters the arithmetic); f32 values between bf16's are read as themselves.
+TEST(Invariance, TheSameValuesInEveryInputDtypeGiveTheSameBits) {
+  const Problem bf = make_problem(28, interesting_hp());  // bf16 values, each also an f16 and an f32
+  auto as = [](const InputValues& v, DType dtype) -> InputValues {
+    std::vector<float> f(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) f[i] = static_cast<float>(v.value(i));
+    if (dtype == DType::F32) return f;
+    std::vector<f16> h(f.begin(), f.end());
+    return h;
+  };
+  const TensorMap expected = compute(bf, test_options());
+  for (DType dtype : {DType::F16, DType::F32}) {
+    Problem p = bf;
+    p.x = as(bf.x, dtype);
+    p.weight = as(bf.weight, dtype);
+    p.bias = as(*bf.bias, dtype);
+    for (std::size_t i = 0; i < bf.weight.size(); ++i)  // exact: these bf16 values are within f16's range and precision
+      ASSERT_EQ(p.weight.value(i), bf.weight.value(i)) << input_dtype_name(dtype) << " weight " << i;
+    const TensorMap got = compute(p, test_options());
+    for (const auto& [name, tensor] : expected)
+      EXPECT_EQ(got.at(name).bytes, tensor.bytes) << name << ", " << input_dtype_name(dtype);
+  }
+  // One f32 value moved by one f32 ulp (invisible to bf16) moves the loss.
+  Problem p = bf;
+  p.x = as(bf.x, DType::F32);
+  p.weight = as(bf.weight, DType::F32);
+  p.bias = as(*bf.bias, DType::F32);
+  float& w = p.weight.as<float>()[3];
+  w = std::nextafter(w, 2 * w);
+  EXPECT_NE(scalar(compute(p, test_options()), "loss"), scalar(expected, "loss"));
 }
 
 TEST(Outputs, HaveSpecNamesShapesAndDtypes) {

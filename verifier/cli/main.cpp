@@ -373,6 +373,7 @@ struct SweepArgs {
   int threads = 0;
   sv::ImplementationOptions impl_options;
   ProfileArgs profile;
+  std::vector<std::string> dtypes;  // input dtypes the cases draw from (empty: bf16)
 };
 
 int run_sweep_command(const SweepArgs& a) {
@@ -388,6 +389,13 @@ int run_sweep_command(const SweepArgs& a) {
   options.counterexample_dir = a.counterexample_dir;
   options.threads = a.threads;
   if (a.all_profiles) options.also_profiles = sv::named_profiles();
+  for (const std::string& d : a.dtypes) {
+    try {
+      options.distribution.dtypes.push_back(simpo::input_dtype_from_name(d));
+    } catch (const InputError& e) {
+      throw InputError(std::string("--dtypes: ") + e.what());
+    }
+  }
   options.progress = [](std::int64_t c, std::int64_t f, double s) { print_progress("sweep", c, f, s); };
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
@@ -539,6 +547,8 @@ int main(int argc, char** argv) {
   s->add_flag("--no-shrink", sweep.no_shrink, "report failing cases as found");
   s->add_flag("--all-profiles", sweep.all_profiles,
               "also judge every case's outputs under every named profile (strict, bf16_logits, peer): one row per profile");
+  s->add_option("--dtypes", sweep.dtypes, "input dtypes the cases draw from, uniformly: bf16, f16, f32 (default bf16)")
+      ->delimiter(',');
   add_profile_options(s, sweep.profile);
 
   ReportArgs report;

@@ -216,5 +216,120 @@ TEST(ErrorModel, ExpectedRoundingErrorMatchesMeasuredBf16Floor) {
   EXPECT_NEAR(expected_rounding_error(DType::BF16), 1.659e-3, 1e-6);
 }
 
+// ---- the strict bounds follow the candidate's dtypes (SPEC) ----
+
+// The fixture's case with inputs in `dtype` (the same draws, generate()), and its exact outputs.
+Fixture fixture_in(DType dtype) {
+  CaseSpec spec;
+  spec.shape = {4, 16, 32, 96};
+  spec.bias = true;
+  spec.seed = 7;
+  spec.ignore = IgnorePattern::random;
+  spec.dtype = dtype;
+  Fixture x;
+  x.problem = generate(spec);
+  x.exact = reference::compute(x.problem);
+  return x;
+}
+
+// Every gradient of `values` stored as `dtype`, each value first rounded to `precision` (bf16, f16, f32): a
+// candidate whose gradients are labelled `dtype` but hold only `precision`'s digits. Scalars: F32.
+TensorMap stored_as(const TensorMap& values, DType dtype, DType precision) {
+  TensorMap out;
+  for (const auto& [name, t] : values) {
+    auto v = t.to_double();
+    const DType d = is_gradient_output(name) ? dtype : DType::F32;
+    for (double& e : v) e = round_to(is_gradient_output(name) ? precision : DType::F32, e);
+    Tensor c(d, t.shape);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (d == DType::F16) c.as<f16>()[i] = f16(static_cast<float>(v[i]));
+      else c.as<float>()[i] = static_cast<float>(v[i]);
+    }
+    out[name] = std::move(c);
+  }
+  return out;
+}
+
+TEST(ErrorModel, F16AndF32UnitRoundoffsAndRounding) {
+  EXPECT_EQ(unit_roundoff(DType::F16), 0x1.0p-11);
+  EXPECT_EQ(round_to(DType::F16, 1 + 0x1.0p-11), 1.0);  // a tie: to even
+  EXPECT_EQ(round_to(DType::F16, 1 + 0x1.8p-11), 1 + 0x1.0p-10);
+  EXPECT_EQ(round_to(DType::F32, 1 + 0x1.8p-24), 1 + 0x1.0p-23);
+}
+
+// An f32 candidate is held to f32 arithmetic: the exact outputs rounded to F32 pass at their (f32) floor; the same
+// tensors holding only bf16's digits (an implementation that runs the bf16 pipeline and returns F32) fail, though
+// they would be the floor of a bf16 candidate.
+TEST(ErrorModel, F32CandidateIsHeldToF32) {
+  const Fixture f = fixture_in(DType::F32);
+  const Report exact_f32 = compare(f.problem, f.exact, stored_as(f.exact, DType::F32, DType::F32), strict_profile());
+  EXPECT_TRUE(exact_f32.passed()) << format_table(exact_f32);
+  EXPECT_LT(find(exact_f32, "grad_x").floor, 1e-7);
+  EXPECT_NEAR(find(exact_f32, "grad_x").ratio, 1.0, 1e-9);
+
+  const Report bf16_digits = compare(f.problem, f.exact, stored_as(f.exact, DType::F32, DType::BF16), strict_profile());
+  EXPECT_FALSE(bf16_digits.passed());
+  for (const char* name : {"grad_x", "grad_weight", "grad_bias"})
+    EXPECT_EQ(find(bf16_digits, name).verdict, Verdict::failed) << name << "\n" << format_table(bf16_digits);
+
+  // SPEC gives gradients the inputs' dtype: the exact gradients rounded to BF16 (at their own floor, which a bf16
+  // candidate passes with) fail for f32 inputs, the reason saying why; F32 gradients of bf16 inputs are allowed.
+  const Report coarser = compare(f.problem, f.exact, rounded(f.exact), strict_profile());
+  for (const char* name : {"grad_x", "grad_weight", "grad_bias"}) {
+    const TensorReport t = find(coarser, name);
+    EXPECT_EQ(t.verdict, Verdict::failed) << name;
+    EXPECT_NE(t.reason.find("BF16 but the inputs are F32"), std::string::npos) << t.reason;
+    EXPECT_NEAR(t.ratio, 1.0, 1e-9) << name;  // measured all the same
+  }
+  EXPECT_EQ(find(coarser, "loss").verdict, Verdict::passed);
+  const Fixture& bf = fixture();
+  EXPECT_TRUE(compare(bf.problem, bf.exact, stored_as(bf.exact, DType::F32, DType::F32), strict_profile()).passed());
+
+  // A candidate that rounds the f32 inputs to bf16 and then computes exactly: the quantization of its inputs is
+  // the error f32 arithmetic does not make.
+  const Fixture quantized = fixture_in(DType::BF16);  // the same draws, rounded to bf16
+  const Report q = compare(f.problem, f.exact, stored_as(quantized.exact, DType::F32, DType::F32), strict_profile());
+  EXPECT_FALSE(q.passed());
+  EXPECT_EQ(find(q, "grad_x").verdict, Verdict::failed) << format_table(q);
+  EXPECT_EQ(find(q, "loss").verdict, Verdict::failed) << format_table(q);
+}
+
+// f16 outputs are held to f16's spacing: the exact outputs rounded to F16 pass at the floor, the same values with
+// bf16's digits in F16 tensors do not.
+TEST(ErrorModel, F16CandidateIsHeldToF16Spacing) {
+  const Fixture f = fixture_in(DType::F16);
+  const Report exact_f16 = compare(f.problem, f.exact, stored_as(f.exact, DType::F16, DType::F16), strict_profile());
+  EXPECT_TRUE(exact_f16.passed()) << format_table(exact_f16);
+  const auto gx = find(exact_f16, "grad_x");
+  EXPECT_NEAR(gx.ratio, 1.0, 1e-9);
+  EXPECT_GT(gx.floor, 1e-4);  // f16: ~0.42 * 2^-11 = 2.1e-4 for typical values
+  EXPECT_LT(gx.floor, 3e-4);
+
+  const Report bf16_digits = compare(f.problem, f.exact, stored_as(f.exact, DType::F16, DType::BF16), strict_profile());
+  for (const char* name : {"grad_x", "grad_weight", "grad_bias"})
+    EXPECT_EQ(find(bf16_digits, name).verdict, Verdict::failed) << name << "\n" << format_table(bf16_digits);
+}
+
+// The dtype-dependent pieces: products exact in fp32 for bf16 and f16 inputs, rounded for f32 (one more u32 Z in
+// e_z); the gradients' operand rounding u/sqrt(3) of the inputs' dtype, sqrt(2/3) u32 for f32.
+TEST(ErrorModel, ScalesFollowTheInputDtype) {
+  const Fixture b = fixture_in(DType::BF16), h = fixture_in(DType::F16), f = fixture_in(DType::F32);
+  const ProblemScales sb = ProblemScales::of(b.problem, &b.exact), sh = ProblemScales::of(h.problem, &h.exact),
+                      sf = ProblemScales::of(f.problem, &f.exact);
+  EXPECT_EQ(sb.input_dtype, DType::BF16);
+  EXPECT_EQ(sf.input_dtype, DType::F32);
+  EXPECT_DOUBLE_EQ(sb.logit_error(), std::sqrt(32.0) * 0x1.0p-24 * sb.logit_bound);
+  EXPECT_DOUBLE_EQ(sf.logit_error(), (std::sqrt(32.0) + 1) * 0x1.0p-24 * sf.logit_bound);
+  EXPECT_DOUBLE_EQ(sb.operand_rounding(), 0x1.0p-8 / std::sqrt(3.0));
+  EXPECT_DOUBLE_EQ(sh.operand_rounding(), 0x1.0p-11 / std::sqrt(3.0));
+  EXPECT_DOUBLE_EQ(sf.operand_rounding(), std::sqrt(2.0 / 3.0) * 0x1.0p-24);
+  // The f32 gradient budget is set by fp32's logit noise and accumulation, an order of magnitude below bf16's
+  // (whose operand rounding dominates it); f16's lies between.
+  for (const char* name : {"grad_x", "grad_weight", "grad_bias"}) {
+    EXPECT_LT(gradient_internal_error(sf, name), gradient_internal_error(sb, name) / 10) << name;
+    EXPECT_LT(gradient_internal_error(sh, name), gradient_internal_error(sb, name) / 3) << name;
+  }
+}
+
 }  // namespace
 }  // namespace simpo::verifier

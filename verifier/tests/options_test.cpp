@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <iterator>
+#include <map>
 #include <sstream>
 
 namespace simpo::verifier {
@@ -78,7 +79,8 @@ TEST(CaseFields, TheReplayCommandRebuildsTheCaseExactly) {
 TEST(CaseFields, EveryFieldIsInTheDescriptionAndBadValuesNameTheirFlag) {
   Case c;
   c.spec.hp.empty_sequence = EmptySequence::zero;
-  c.workspace_bytes = fused::min_workspace_bytes;  // the two fields the description shows only when not default
+  c.workspace_bytes = fused::min_workspace_bytes;  // the three fields the description shows only when not default
+  c.spec.dtype = DType::F32;
   for (const auto& f : case_fields())
     EXPECT_NE(c.to_string().find(f.key + "="), std::string::npos) << f.key << " missing from " << c.to_string();
   try {
@@ -87,6 +89,42 @@ TEST(CaseFields, EveryFieldIsInTheDescriptionAndBadValuesNameTheirFlag) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("--beta"), std::string::npos);
   }
+}
+
+// The inputs' dtype is a field of a case: shown and replayed when not bf16, set by --dtype, a bad value naming it.
+TEST(CaseFields, DtypeIsAFieldOfTheCase) {
+  Case c;
+  EXPECT_EQ(c.to_string().find("dtype="), std::string::npos);  // bf16: descriptions read as they always did
+  apply_case_fields(c, {{"--dtype", "f16"}});
+  EXPECT_EQ(c.spec.dtype, DType::F16);
+  EXPECT_NE(c.to_string().find("dtype=f16"), std::string::npos);
+  EXPECT_NE(c.case_command("cpu").find("--dtype f16"), std::string::npos);
+  try {
+    apply_case_fields(c, {{"--dtype", "f64"}});
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--dtype"), std::string::npos) << e.what();
+  }
+}
+
+// A distribution asked for several dtypes draws each of them, and every other choice of a case is drawn as without
+// them; asked for none it draws bf16 with no draw at all.
+TEST(Distribution, DtypesAreDrawnLastFromTheOnesAskedFor) {
+  CaseDistribution mixed;
+  mixed.dtypes = {DType::BF16, DType::F16, DType::F32};
+  Rng a(5), b(5);
+  std::map<DType, int> seen;
+  for (int i = 0; i < 60; ++i) {
+    Rng before = a;
+    const Case plain = random_case(before);
+    const Case drawn = random_case(a, mixed);
+    ++seen[drawn.spec.dtype];
+    EXPECT_EQ(plain.spec.shape, drawn.spec.shape);
+    EXPECT_EQ(plain.spec.hp, drawn.spec.hp);
+    EXPECT_EQ(plain.spec.seed, drawn.spec.seed);
+    EXPECT_EQ(random_case(b).spec.dtype, DType::BF16);
+  }
+  EXPECT_EQ(seen.size(), 3u);
 }
 
 // One distribution: the sweep's stream is what it was before the pieces were split out (the mutant table and

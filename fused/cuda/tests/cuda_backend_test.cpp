@@ -403,6 +403,29 @@ TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
   EXPECT_EQ(std::memcmp(expected.data(), from_runner.data(), from_runner.size() * 2), 0);
 }
 
+// The backend's declaration to the verifier (deterministic: verifier/implementation.cpp): the same inputs give the
+// same bits, with a bias and many rows per target (V = 44: the target terms of grad_W and grad_bias sum many rows
+// into one row), in both grad_weight forms (the hi/lo pair, the fp32 accumulator) and both schedules.
+TEST(CudaBackendFeatures, RerunsAreBitIdentical) {
+  SKIP_WITHOUT_DEVICE();
+  CaseSpec spec = spec_of({.B = 4, .T = 100, .H = 96, .V = 44}, 30.0, 59);
+  spec.bias = true;
+  spec.ignore = IgnorePattern::random;
+  const Problem problem = generate(spec);
+  for (const bool f32 : {false, true})
+    for (const std::int64_t chunk_rows : {std::int64_t{0}, spec.shape.T - 1}) {
+      SCOPED_TRACE(std::string(f32 ? "fp32" : "bf16") + " grad_weight, max_chunk_rows " + std::to_string(chunk_rows));
+      Options options = cuda_options();
+      options.grad_weight_f32 = f32;
+      options.max_chunk_rows = chunk_rows;
+      const TensorMap first = cuda::compute(problem, options);
+      for (int run = 0; run < 3; ++run) {
+        const TensorMap again = cuda::compute(problem, options);
+        for (const auto& [name, t] : first) EXPECT_EQ(again.at(name).bytes, t.bytes) << name << ", rerun " << run;
+      }
+    }
+}
+
 // ---- schedules and budgets ----
 
 // Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows) needs ~147 MiB with fp32 logits and

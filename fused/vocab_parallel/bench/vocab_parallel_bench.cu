@@ -169,10 +169,10 @@ int main(int argc, char** argv) {
       Problem p;
       p.shape = {B, T, H, V};
       const std::int64_t N = p.shape.N();
-      p.x.resize(static_cast<std::size_t>(N * H));
-      p.weight.resize(static_cast<std::size_t>(V * H));
-      fill(p.x, 1.7320508f, 1);
-      fill(p.weight, static_cast<float>(std::sqrt(3.0 * 4.0 / H)), 2);
+      p.x = std::vector<bf16>(static_cast<std::size_t>(N * H));
+      p.weight = std::vector<bf16>(static_cast<std::size_t>(V * H));
+      fill(p.x.as<bf16>(), 1.7320508f, 1);
+      fill(p.weight.as<bf16>(), static_cast<float>(std::sqrt(3.0 * 4.0 / H)), 2);
       p.target.resize(static_cast<std::size_t>(N));
       for (std::int64_t r = 0; r < N; ++r)
         p.target[r] = (r % T) < T / 10 ? p.hp.ignore_index

@@ -47,13 +47,15 @@ Problem first_pairs(const Problem& p, std::int64_t pairs) {
   if (pairs == s.P()) return p;
   Problem q = p;
   q.shape.B = 2 * pairs;
-  q.x.clear();
+  std::vector<bf16> x;
   q.target.clear();
   for (std::int64_t side = 0; side < 2; ++side) {
     const std::int64_t b0 = side * s.P();
-    q.x.insert(q.x.end(), p.x.begin() + b0 * s.T * s.H, p.x.begin() + (b0 + pairs) * s.T * s.H);
+    const std::vector<bf16>& px = p.x.as<bf16>();
+    x.insert(x.end(), px.begin() + b0 * s.T * s.H, px.begin() + (b0 + pairs) * s.T * s.H);
     q.target.insert(q.target.end(), p.target.begin() + b0 * s.T, p.target.begin() + (b0 + pairs) * s.T);
   }
+  q.x = std::move(x);
   return q;
 }
 
@@ -70,8 +72,8 @@ std::vector<double> gemm_floor(const Problem& p, int reps) {
     check(cudaMemcpy(d, wide.data(), wide.size() * sizeof(double), cudaMemcpyHostToDevice), "upload");
     return d;
   };
-  double* X = upload(p.x);
-  double* W = upload(p.weight);
+  double* X = upload(p.x.as<bf16>());
+  double* W = upload(p.weight.as<bf16>());
   double *Z = nullptr, *dX = nullptr, *dW = nullptr;
   check(cudaMalloc(reinterpret_cast<void**>(&Z), N * V * sizeof(double)), "cudaMalloc Z");
   check(cudaMalloc(reinterpret_cast<void**>(&dX), N * H * sizeof(double)), "cudaMalloc dX");

@@ -39,9 +39,9 @@ double mean_abs_logit(const Problem& p) {
   double total = 0;
   for (std::int64_t r = 0; r < s.N(); ++r)
     for (std::int64_t v = 0; v < s.V; ++v) {
-      double z = p.bias ? static_cast<double>((*p.bias)[v]) : 0.0;
+      double z = p.bias ? p.bias->value(v) : 0.0;
       for (std::int64_t h = 0; h < s.H; ++h)
-        z += static_cast<double>(p.x[r * s.H + h]) * static_cast<double>(p.weight[v * s.H + h]);
+        z += p.x.value(r * s.H + h) * p.weight.value(v * s.H + h);
       total += std::abs(z);
     }
   return total / static_cast<double>(s.N() * s.V);

@@ -60,5 +60,49 @@ expect_refusal "check --reference gpu" "--reference" "$exe" check --inputs "$in"
 expect_refusal "case --vocab-shards 5 --V 3" "needs 1 <= shards <= V" "$exe" case --impl cpu --vocab-shards 5 --V 3
 expect_refusal "case --vocab-shards 0" "--vocab-shards" "$exe" case --impl cpu --vocab-shards 0
 
+# Every input dtype SPEC allows (issue 27): case --dtype, compute and check of an f32 inputs file (F32 gradients,
+# judged against f32 bounds: the bf16 pipeline's result on the same values fails), mixed dtypes refused naming both,
+# and a sweep drawing all three dtypes.
+"$exe" case --impl cpu --dtype f32 --B 4 --T 6 --H 24 --V 101 --bias --save-inputs "$work/f32.safetensors" >/dev/null 2>&1 \
+  || fail "case --dtype f32"
+"$exe" case --impl cpu --dtype bf16 --B 4 --T 6 --H 24 --V 101 --bias --save-inputs "$work/bf16.safetensors" >/dev/null 2>&1 \
+  || fail "case --dtype bf16"
+"$exe" case --impl cpu --dtype f16 --B 4 --T 6 --H 24 --V 101 >/dev/null 2>&1 || fail "case --dtype f16"
+expect_refusal "case --dtype f64" "--dtype" "$exe" case --impl cpu --dtype f64
+"$exe" compute --impl cpu --inputs "$work/f32.safetensors" --out "$work/f32.out.safetensors" 2>/dev/null || fail "compute f32"
+python3 -c 'import json,struct,sys; b=open(sys.argv[1],"rb").read(); h=json.loads(b[8:8+struct.unpack("<Q",b[:8])[0]]); assert all(h[k]["dtype"]=="F32" for k in h if k!="__metadata__"), h' \
+  "$work/f32.out.safetensors" || fail "compute f32: outputs not all F32"
+"$exe" check --inputs "$work/f32.safetensors" --candidate "$work/f32.out.safetensors" >/dev/null || fail "check f32 candidate"
+"$exe" compute --impl cpu --inputs "$work/bf16.safetensors" --out "$work/bf16.out.safetensors" --grad-f32 2>/dev/null || fail "compute bf16"
+# Rewrites a safetensors file with its BF16 tensors as F32 (same values) or, given a tensor name, that tensor's F32
+# values truncated to BF16: the standard library only (no numpy here).
+retype() {
+  python3 - "$@" <<'PY'
+import json, struct, sys
+src, dst = sys.argv[1], sys.argv[2]
+to_bf16 = sys.argv[3] if len(sys.argv) > 3 else None
+b = open(src, "rb").read(); n = struct.unpack("<Q", b[:8])[0]; h = json.loads(b[8:8 + n]); data = b[8 + n:]
+out, off = [], 0
+for k in sorted(k for k in h if k != "__metadata__"):
+    raw = data[h[k]["data_offsets"][0]:h[k]["data_offsets"][1]]
+    if to_bf16 is None and h[k]["dtype"] == "BF16":
+        raw = b"".join(b"\0\0" + raw[i:i + 2] for i in range(0, len(raw), 2)); h[k]["dtype"] = "F32"
+    elif k == to_bf16:
+        raw = b"".join(raw[i + 2:i + 4] for i in range(0, len(raw), 4)); h[k]["dtype"] = "BF16"
+    h[k]["data_offsets"] = [off, off + len(raw)]; out.append(raw); off += len(raw)
+hb = json.dumps(h).encode()
+open(dst, "wb").write(struct.pack("<Q", len(hb)) + hb + b"".join(out))
+PY
+}
+retype "$work/bf16.out.safetensors" "$work/bf16.out32.safetensors" || fail "rewriting grad_x as F32"
+"$exe" check --inputs "$work/f32.safetensors" --candidate "$work/bf16.out32.safetensors" >/dev/null 2>&1; rc=$?
+[[ $rc -eq 1 ]] || fail "check: the bf16 pipeline's result judged as an f32 candidate: exit $rc, expected 1"
+retype "$work/f32.safetensors" "$work/mixed.safetensors" weight || fail "writing a mixed-dtype inputs file"
+expect_refusal "compute mixed dtypes" "x is F32 but weight is BF16" \
+  "$exe" compute --impl cpu --inputs "$work/mixed.safetensors" --out "$work/o.safetensors"
+out="$("$exe" sweep --impl cpu --cases 40 --dtypes bf16,f16,f32 --threads 1 --counterexample-dir "$work/cx" 2>/dev/null)"; rc=$?
+[[ $rc -eq 0 ]] || fail "sweep --dtypes bf16,f16,f32: exit $rc: $out"
+expect_refusal "sweep --dtypes f8" "--dtypes" "$exe" sweep --impl cpu --cases 1 --dtypes f8
+
 [[ $failures -eq 0 ]] && echo "all passed"
 exit $((failures > 0))
