@@ -5,6 +5,7 @@
 #pragma once
 
 #include "fused/fused.h"
+#include "fused/mutant.h"
 #include "problem/problem.h"
 
 #include <cstdint>

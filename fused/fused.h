@@ -17,31 +17,6 @@ enum class Backend { automatic, cpu, cuda };
 std::string backend_name(Backend);
 Backend backend_from_name(const std::string&);  // "auto", "cpu", "cuda"; throws InputError
 
-// Deliberate faults, one per bug class a peer shipped (../shared/ANCHORS.md) plus the verifier's catalogue.
-// Off by default; only the verifier's mutation tests set one. The cpu backend implements every mutant.
-enum class Mutant {
-  none,
-  weight_grad_bf16_accumulation,    // grad_weight accumulated across chunks in bf16
-  softmax_rounded_before_onehot,    // softmax rounded to bf16 before the one-hot label is subtracted
-  narrow_row_accumulator,           // sum of exp accumulated in bf16 (the "wider accumulators" class)
-  empty_sequence_nan,               // no check for n[b] = 0: 0/0 in the average
-  grad_x_in_input_buffer,           // grad_x partial sums parked in a bf16 buffer between GEMMs
-  pairs_split_across_chunks,        // chunks cut by rows: a pair's partner outside the chunk reads as 0
-  preference_sign_flip,             // +log sigmoid instead of -log sigmoid
-  gamma_inside_beta,                // s = beta * (c - r - gamma) instead of beta * (c - r) - gamma
-  chunk_drops_tail,                 // the last partial token chunk is skipped
-  chunk_double_counts_tail,         // the last partial token chunk is added twice
-  length_counts_ignored,            // n[b] = T: ignored tokens counted in the average's length
-  sum_includes_ignored,             // ignored tokens summed into the average, length correct
-  pairs_interleaved,                // chosen/rejected read as rows 2i/2i+1 instead of i/P+i
-  grad_bias_missing,                // grad_bias left at zero
-  label_smoothing_wrong_term,       // ls weights the chosen-wins term instead of the rejected-wins one
-  nll_normalized_by_all_positions,  // nll divided by P*T instead of N_c
-  lse_without_max_shift,            // log sum exp without subtracting the row max (overflows at large logits)
-};
-std::string mutant_name(Mutant);
-Mutant mutant_from_name(const std::string&);  // throws InputError
-const std::vector<Mutant>& all_mutants();     // every value but none
 
 inline constexpr std::int64_t default_workspace_bytes = std::int64_t{2} << 30;  // 2 GiB
 inline constexpr std::int64_t min_workspace_bytes = std::int64_t{64} << 20;     // 64 MiB
@@ -73,7 +48,6 @@ struct Options {
   // dz's read, twice the rows per chunk, the faster step (fused/cuda/BENCHMARKS.md). On cpu dz takes the same
   // rounding, so the backends compute the same numbers. bf16 inputs only: f16 and f32 keep dz from fp32 logits.
   bool logit_distances = true;
-  Mutant mutant = Mutant::none;
 };
 
 bool cuda_built();      // the cuda backend was built (nvcc at configure time)

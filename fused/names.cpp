@@ -1,6 +1,7 @@
 // The names of Backend and Mutant values (CLI flags, tables, error messages). In simpo_fused_common so the
 // cuda backend can name a mutant without linking the dispatcher.
 #include "fused/fused.h"
+#include "fused/mutant.h"
 
 #include <utility>
 

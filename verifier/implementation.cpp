@@ -56,24 +56,28 @@ Implementation reference_implementation() {
   return impl;
 }
 
-namespace {
-fused::Options fused_options(fused::Backend backend, fused::Mutant mutant, const RunOptions& run) {
+fused::Options fused_options(fused::Backend backend, const RunOptions& run) {
   fused::Options options;
   options.backend = backend;
   options.gradients = run.gradients;
   options.grad_weight_f32 = run.grad_f32;
   options.workspace_bytes = run.workspace_bytes;
   options.max_chunk_rows = run.max_chunk_rows;
-  options.mutant = mutant;
+  options.validate = run.validate;
   return options;
 }
-}  // namespace
 
 Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant) {
   std::string name = fused::backend_name(backend);
-  if (mutant != fused::Mutant::none) name.append("+").append(fused::mutant_name(mutant));  // (GCC 12 -Wrestrict misfires on "+" + string)
+  if (mutant != fused::Mutant::none) {
+    if (backend != fused::Backend::cpu)
+      throw InputError("mutant " + fused::mutant_name(mutant) + " with the " + fused::backend_name(backend) +
+                       " backend: mutants are planted in the cpu backend (cpu+" + fused::mutant_name(mutant) + ")");
+    name.append("+").append(fused::mutant_name(mutant));  // (GCC 12 -Wrestrict misfires on "+" + string)
+  }
   Implementation impl = make_implementation(name, [backend, mutant](const Problem& problem, const RunOptions& run) {
-    return fused::compute(problem, fused_options(backend, mutant, run));
+    if (mutant != fused::Mutant::none) return fused::compute_mutant(problem, fused_options(backend, run), mutant);
+    return fused::compute(problem, fused_options(backend, run));
   });
   impl.concurrent = true;  // each call owns its buffers (and on cuda its stream)
   impl.capabilities = deterministic_declaration;
@@ -90,7 +94,7 @@ Implementation vocab_parallel_implementation(fused::Backend backend, int shards)
         "cuda/vocab-shards=" + std::to_string(shards) + " (" + plan.description + ")",
         [shards, communication](const Problem& problem, const RunOptions& run) {
           return fused::vocab_parallel::gather(fused::vocab_parallel::compute_ranks_cuda(
-              problem, fused_options(fused::Backend::cuda, fused::Mutant::none, run), shards, communication));
+              problem, fused_options(fused::Backend::cuda, run), shards, communication));
         });
     // One NCCL communicator's collectives from two threads at once could interleave on the GPUs and deadlock.
     impl.concurrent = communication != fused::vocab_parallel::Communication::nccl;
@@ -100,7 +104,7 @@ Implementation vocab_parallel_implementation(fused::Backend backend, int shards)
     throw InputError("--vocab-shards with the " + fused::backend_name(backend) + " backend: only cpu and cuda run it");
   Implementation impl = make_implementation(
       "cpu/vocab-shards=" + std::to_string(shards), [shards](const Problem& problem, const RunOptions& run) {
-        return fused::vocab_parallel::compute(problem, fused_options(fused::Backend::cpu, fused::Mutant::none, run), shards);
+        return fused::vocab_parallel::compute(problem, fused_options(fused::Backend::cpu, run), shards);
       });
   impl.concurrent = true;
   return impl;

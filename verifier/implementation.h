@@ -5,6 +5,7 @@
 #pragma once
 
 #include "fused/fused.h"
+#include "fused/mutant.h"
 #include "verifier/capabilities.h"
 #include "problem/problem.h"
 
@@ -24,7 +25,12 @@ struct RunOptions {
   bool grad_f32 = false;  // fused: grad_weight and grad_bias in F32
   std::int64_t workspace_bytes = fused::default_workspace_bytes;
   std::int64_t max_chunk_rows = 0;  // 0: the implementation decides
+  bool validate = true;             // fused: false skips the NaN/Inf scan of the inputs (SPEC)
 };
+
+// The fused backends' options for one run: the one translation every caller uses (the CLI's implementations and the
+// Python package).
+fused::Options fused_options(fused::Backend, const RunOptions&);
 
 // The one validation of run options, whatever the implementation (issue 7: the reference used to accept a
 // negative max_chunk_rows that the fused backends refused). InputError naming the option. Every Implementation
@@ -67,7 +73,8 @@ Implementation make_implementation(std::string name, std::function<TensorMap(con
                                    bool takes_chunking = true);
 
 Implementation reference_implementation();
-// A fused backend, optionally with one deliberate fault (fused::Mutant) injected.
+// A fused backend, optionally with one deliberate fault (fused::Mutant, planted in the cpu backend: fused/mutant.h)
+// injected; a mutant with another backend is an InputError.
 Implementation fused_implementation(fused::Backend, fused::Mutant = fused::Mutant::none);
 // The fused step with the LM head split by vocabulary rows over `shards` ranks, their outputs gathered
 // (fused/vocab_parallel): cpu, the G ranks' algebra in one process; cuda, the ranks on GPUs through NCCL (one GPU

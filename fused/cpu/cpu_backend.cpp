@@ -20,6 +20,7 @@
 #include "fused/cpu/cpu_backend.h"
 
 #include "fused/forward_outputs.h"
+#include "fused/mutant.h"
 #include "fused/schedule.h"
 #include "fused/simpo_math.h"
 
@@ -69,13 +70,13 @@ float sum_of_exp(const float* z, Eigen::Index V, float max) {
 
 class Run {
  public:
-  Run(const Problem& problem, const Options& options)
+  Run(const Problem& problem, const Options& options, Mutant mutant)
       : problem_(problem),
         options_(options),
         shape_(problem.shape),
-        mutant_(options.mutant),
-        schedule_(plan(problem.shape, options, !needs_all_pairs_at_once(options.mutant))),
-        targets_(read_targets(problem, options.mutant)),
+        mutant_(mutant),
+        schedule_(plan(problem.shape, options, !needs_all_pairs_at_once(mutant))),
+        targets_(read_targets(problem, mutant)),
         dtype_(problem.input_dtype()),
         bf16_operands_(dtype_ == DType::BF16),
         stats_(problem.shape.N()),
@@ -373,9 +374,15 @@ class Run {
 
 }  // namespace
 
-TensorMap compute(const Problem& problem, const Options& options) {
-  validate(problem, {.scan_values = options.validate});
-  return Run(problem, options).compute();
-}
+TensorMap compute(const Problem& problem, const Options& options) { return compute_mutant(problem, options, Mutant::none); }
 
 }  // namespace simpo::fused::cpu
+
+namespace simpo::fused {
+
+TensorMap compute_mutant(const Problem& problem, const Options& options, Mutant mutant) {
+  validate(problem, {.scan_values = options.validate});
+  return cpu::Run(problem, options, mutant).compute();
+}
+
+}  // namespace simpo::fused

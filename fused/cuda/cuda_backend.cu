@@ -132,12 +132,6 @@ struct StreamOrder {
   }
 };
 
-void refuse_mutants(const Options& options) {
-  if (options.mutant != Mutant::none)
-    throw InputError("mutants are implemented by the cpu backend (the cuda backend was asked for mutant " +
-                     mutant_name(options.mutant) + ")");
-}
-
 }  // namespace
 
 DeviceResult compute_on_device(const DeviceCall& c) { return compute_on_device(c, Tuning{}); }
@@ -145,7 +139,6 @@ DeviceResult compute_on_device(const DeviceCall& c) { return compute_on_device(c
 DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   const Shape& s = c.shape;
   const Options& options = c.options;
-  refuse_mutants(options);
   validate_shape(s);
   validate_hyperparameters(c.hp);
   if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
@@ -266,7 +259,6 @@ TensorMap compute(const Problem& problem, const Options& options) { return compu
 // the outputs back.
 TensorMap compute(const Problem& problem, const Options& options, const Tuning& tuning) {
   const Shape& s = problem.shape;
-  refuse_mutants(options);
   // SPEC's rules but the value scan, which compute_on_device runs on the device (the copies read the host vectors).
   validate(problem, {.scan_values = false});
   if (problem.input_dtype() != DType::BF16)

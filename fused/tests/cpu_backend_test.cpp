@@ -3,6 +3,7 @@
 // point (validation, names, backend resolution), which needs no backend-specific code; f16 and f32 inputs
 // judged by the verifier's strict profile (the bounds SPEC holds those dtypes to).
 #include "fused/fused.h"
+#include "fused/mutant.h"
 #include "fused/schedule.h"
 #include "fused/tests/backend_suite.h"
 #include "problem/generate.h"

@@ -274,8 +274,6 @@ std::vector<VocabShard> split_vocabulary(std::int64_t V, int shards) {
 
 std::vector<RankOutputs> compute_ranks(const Problem& problem, const Options& options, int shards) {
   validate(problem, {.scan_values = options.validate});
-  if (options.mutant != Mutant::none)
-    throw InputError("mutants (" + mutant_name(options.mutant) + ") belong to the cpu backend, not to the vocab-parallel step");
   if (problem.input_dtype() != DType::BF16)
     throw InputError("the vocab-parallel step takes bf16 inputs; these are " + input_dtype_name(problem.input_dtype()));
   split_vocabulary(problem.shape.V, shards);  // the shard count's error before any allocation

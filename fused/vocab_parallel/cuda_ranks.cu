@@ -504,8 +504,6 @@ std::vector<double> time_ranks_cuda(const Problem& problem, const Options& optio
 std::vector<RankOutputs> compute_ranks_cuda(const Problem& problem, const Options& options, int shards,
                                             Communication communication) {
   validate(problem, {.scan_values = options.validate});
-  if (options.mutant != Mutant::none)
-    throw InputError("mutants (" + mutant_name(options.mutant) + ") belong to the cpu backend, not to the vocab-parallel step");
   split_vocabulary(problem.shape.V, shards);  // the shard count's error before any device work
   const CudaPlan plan = plan_cuda(shards, communication);
   const RestoreDevice restore;

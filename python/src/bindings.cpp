@@ -352,16 +352,17 @@ struct Judge {
   }
 };
 
+// The verifier's one translation of run options into fused options (verifier/implementation.h).
 simpo::fused::Options fused_options(const std::string& impl, bool gradients, bool grad_f32, bool validate,
                                     std::int64_t workspace_bytes, std::int64_t max_chunk_rows) {
-  simpo::fused::Options o;
-  o.backend = simpo::fused::backend_from_name(impl);
-  o.gradients = gradients;
-  o.grad_weight_f32 = grad_f32;
-  o.validate = validate;
-  o.workspace_bytes = workspace_bytes;
-  o.max_chunk_rows = max_chunk_rows;
-  return o;
+  sv::RunOptions run;
+  run.gradients = gradients;
+  run.grad_f32 = grad_f32;
+  run.validate = validate;
+  run.workspace_bytes = workspace_bytes;
+  run.max_chunk_rows = max_chunk_rows;
+  sv::validate(run);
+  return sv::fused_options(simpo::fused::backend_from_name(impl), run);
 }
 
 }  // namespace

@@ -471,7 +471,7 @@ int main(int argc, char** argv) {
 
   ComputeArgs compute;
   auto* c = app.add_subcommand("compute", "run one implementation on an inputs file and write an outputs file");
-  c->add_option("--impl", compute.impl, "reference, reference-cuda, cpu, cuda, <backend>+<mutant>, exec:COMMAND")->required();
+  c->add_option("--impl", compute.impl, "reference, reference-cuda, cpu, cuda, cpu+<mutant>, exec:COMMAND")->required();
   add_timeout_option(c, compute.impl_options);
   c->add_option("--inputs", compute.inputs, "inputs safetensors file")->required();
   c->add_option("--out", compute.out, "outputs safetensors file to write")->required();
@@ -502,7 +502,7 @@ int main(int argc, char** argv) {
       g->add_option_function<std::string>(flag, [&cs, flag](const std::string& v) { cs.fields[flag] = v; }, field.help)
           ->type_name(field.real ? "FLOAT" : flag == "--ignore-pattern" || flag == "--empty-sequence" ? "NAME" : "INT");
   }
-  g->add_option("--impl", cs.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>, exec:COMMAND");
+  g->add_option("--impl", cs.impl, "implementation: auto, cpu, cuda, reference, cpu+<mutant>, exec:COMMAND");
   add_timeout_option(g, cs.impl_options);
   add_reference_option(g);
   g->add_flag("--grad-f32", cs.grad_f32, "fused: grad_weight and grad_bias in F32");
@@ -528,14 +528,14 @@ int main(int argc, char** argv) {
   m->add_option("--seed", mutants.seed, "sweep seed");
   m->add_option("--cases", mutants.cases, "case budget per mutant");
   m->add_option("--time-budget", mutants.time_budget, "seconds per mutant");
-  m->add_option("--backend", mutants.backend, "cpu or cuda");
+  m->add_option("--backend", mutants.backend, "cpu (the mutants are planted in the cpu backend: fused/mutant.h)");
   m->add_option("--mutant", mutants.only, "only this mutant");
   m->add_flag("--no-shrink", mutants.no_shrink, "report the first failing case as found");
   add_threads_option(m, mutants.threads);
 
   SweepArgs sweep;
   auto* s = app.add_subcommand("sweep", "a random sweep of one implementation (e.g. 10,000 cases on a correct one)");
-  s->add_option("--impl", sweep.impl, "implementation: auto, cpu, cuda, reference, <backend>+<mutant>, exec:COMMAND");
+  s->add_option("--impl", sweep.impl, "implementation: auto, cpu, cuda, reference, cpu+<mutant>, exec:COMMAND");
   add_timeout_option(s, sweep.impl_options);
   add_reference_option(s);
   s->add_option("--seed", sweep.seed, "sweep seed");

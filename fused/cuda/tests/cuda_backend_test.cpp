@@ -573,14 +573,6 @@ TEST(CudaBackendErrors, OutOfDeviceMemoryIsAnInputErrorNamingTheBytes) {
   check_case(spec_of({.B = 2, .T = 8, .H = 16, .V = 40}, 2.0, 46), cuda_options());
 }
 
-// Needs no device: the mutant check comes first.
-TEST(CudaBackendErrors, MutantsAreRefused) {
-  Options options = cuda_options();
-  options.mutant = Mutant::preference_sign_flip;
-  const Problem problem = generate(spec_of({.B = 2, .T = 4, .H = 8, .V = 16}, 2.0, 47));
-  EXPECT_THROW(cuda::compute(problem, options), InputError);
-}
-
 TEST(CudaBackendDispatch, FusedComputePicksTheCudaBackend) {
   SKIP_WITHOUT_DEVICE();
   EXPECT_EQ(resolve(Backend::automatic), Backend::cuda);
