@@ -111,6 +111,8 @@ struct PromotedGemm {
 
 }  // namespace
 
+bool promoted_kernels_built() { return true; }
+
 bool promoted_logits_available() {
   static const bool available = [] {
     int device = 0;
@@ -138,6 +140,7 @@ void promoted_logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const
 
 #else  // built without CUTLASS or without an sm_90a target: the sliced cuBLAS path is the only one
 
+bool promoted_kernels_built() { return false; }
 bool promoted_logits_available() { return false; }
 void promoted_logits(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, const __nv_bfloat16*, float*,
                      std::int64_t, std::int64_t, cudaStream_t, void*, std::size_t) {

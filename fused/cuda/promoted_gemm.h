@@ -22,6 +22,8 @@ namespace simpo::fused::cuda {
 
 // Built with the sm_90a kernels, and the current device runs them (compute capability 9.0).
 bool promoted_logits_available();
+// Built with the sm_90a kernels (CUTLASS found at configure time), whatever the device.
+bool promoted_kernels_built();
 
 // Enqueues the GEMM on `stream`. Requirements (the fused runner's layout meets them): ld_h and ld_logits
 // multiples of 8, x, weight and logits 16-byte aligned, promotion_k a multiple of promotion_k_granule.
