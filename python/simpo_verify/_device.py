@@ -1,4 +1,4 @@
-"""The fused cuda backend on CUDA tensors, with no copy through the host (python/src/device_compute.h).
+"""The fused cuda backend on CUDA tensors, with no copy through the host (fused::compute_on_device, fused/fused.h).
 
 Any DLPack CUDA array is viewed as a torch tensor (no copy); the gradients are allocated by torch's caching
 allocator on the inputs' device, and the call is ordered on torch's current stream.

@@ -429,7 +429,7 @@ NB_MODULE(_core, m) {
   }, "problem"_a, "impl"_a, "gradients"_a, "grad_f32"_a, "validate"_a, "workspace_bytes"_a, "max_chunk_rows"_a);
 
   // Inputs on a CUDA device (pointers from DLPack / torch): outputs written to caller-allocated device buffers
-  // (gradients) and returned on the host (scalars, per-pair tensors). device_compute.h says what it checks.
+  // (gradients) and returned on the host (scalars, per-pair tensors). fused::compute_on_device (fused/fused.h) says what it checks.
   m.def("compute_device", [](const nb::dict& args) {
     simpo::fused::DeviceCall c;
     c.shape = {nb::cast<std::int64_t>(args["B"]), nb::cast<std::int64_t>(args["T"]), nb::cast<std::int64_t>(args["H"]),
