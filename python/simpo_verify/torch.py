@@ -8,7 +8,8 @@
 Backends: CUDA tensors run the fused cuda backend on the device, ordered on torch's current stream, with no copy
 through the host (the targets, B*T int64, are read by the host for validation and the per-sequence math); CPU
 tensors run the fused cpu backend. Gradients come from autograd: the forward computes them (3 GEMMs, as Liger
-does) when any input requires grad, and backward hands them over scaled by grad_output, which is SPEC's
+does) when any input requires grad and grad mode is on (under torch.no_grad() or torch.inference_mode() the
+forward-only schedule runs: one GEMM), and backward hands them over scaled by grad_output, which is SPEC's
 grad_scale: for grad_output == 1 (loss.backward()) the saved gradients are returned as computed; any other
 grad_output reruns the kernel with grad_scale = grad_output, so the result is SPEC's for that scale and never a
 bf16 gradient rounded a second time.
@@ -47,15 +48,23 @@ def _run(_input, weight, target, bias, hp, gradients, workspace_bytes):
                     workspace_bytes=workspace_bytes, **hp)
 
 
+_AUX = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss", "chosen_rewards",
+        "rejected_rewards")
+
+
+def _check_dtypes(_input, weight, target, bias):
+    try:
+        _device.check_tensors(_input, weight, target, bias)
+    except InputError as e:
+        if "SPEC says bfloat16" in str(e):
+            raise TypeError(f"simpo_verify.torch: {e}") from None
+        raise
+
+
 class _FusedLinearSimPOFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, _input, weight, target, bias, hp, workspace_bytes):
-        try:
-            _device.check_tensors(_input, weight, target, bias)
-        except InputError as e:
-            if "SPEC says bfloat16" in str(e):
-                raise TypeError(f"simpo_verify.torch: {e}") from None
-            raise
+        _check_dtypes(_input, weight, target, bias)
         gradients = any(ctx.needs_input_grad[i] for i in (0, 1, 3))
         out = _run(_input, weight, target, bias, hp, gradients, workspace_bytes)
         ctx.hp, ctx.workspace_bytes = hp, workspace_bytes
@@ -63,8 +72,7 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
         if gradients:
             ctx.save_for_backward(_input, weight, target, bias, out["grad_x"], out["grad_weight"],
                                   out.get("grad_bias"))
-        aux = tuple(out[k] for k in ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean",
-                                     "nll_loss", "chosen_rewards", "rejected_rewards"))
+        aux = tuple(out[k] for k in _AUX)
         ctx.mark_non_differentiable(*aux)
         return (out["loss"],) + aux
 
@@ -97,6 +105,12 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
     with no completion token averages to 0 with no gradient) and workspace_bytes (the kernel's scratch budget)."""
     del compiled, chunk_size  # Liger's knobs: no meaning here (module docstring)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
+    if not torch.is_grad_enabled():
+        # no_grad / inference_mode (an evaluation loop): the forward-only schedule, one GEMM instead of three,
+        # whatever requires_grad says (autograd.Function.forward cannot see the caller's grad mode).
+        _check_dtypes(_input, weight, target, bias)
+        out = _run(_input, weight, target, bias, hp, False, workspace_bytes)
+        return out["loss"], tuple(out[k] for k in _AUX)
     loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes)
     return loss, tuple(aux)
 

@@ -51,6 +51,24 @@ def test_grad_output_is_grad_scale(device):
     assert rel < 4e-3  # a bf16 gradient of the scaled loss (twice the bf16 floor of ~1.7e-3 at most)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_runs_the_forward_only_schedule(device, monkeypatch):
+    import simpo_verify.torch as svt
+
+    x, w, t, b = make(device)
+    w.requires_grad_(True)  # an evaluation loop: the LM head's parameters still require grad
+    asked = []
+    real_run = svt._run
+    monkeypatch.setattr(svt, "_run", lambda *a: asked.append(a[5]) or real_run(*a))
+    with_grad, _ = FusedLinearSimPOLoss()(w, x, t, b)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            loss, aux = FusedLinearSimPOLoss()(w, x, t, b)
+        assert loss.grad_fn is None and len(aux) == 7
+        assert float(loss) == pytest.approx(float(with_grad), rel=1e-6)
+    assert asked == [True, False, False], asked
+
+
 def test_liger_defaults_and_signature():
     m = FusedLinearSimPOLoss()
     assert (m.ignore_index, m.beta, m.alpha, m.label_smoothing, m.compute_nll_loss, m.gamma) == (-100, 0.1, 1.0, 0.0,
