@@ -68,8 +68,11 @@ TEST(Capabilities, ExclusionByKey) {
   const Problem plain = problem_of(spec);
   EXPECT_FALSE(exclusion(Capabilities{}, plain));
   Capabilities c;
-  c.dtypes = std::vector<std::string>{"f32"};  // every generated case is bf16 today
+  c.dtypes = std::vector<std::string>{"f32"};  // the case is bf16 (CaseSpec's default)
   EXPECT_EQ(exclusion(c, plain), "dtypes");
+  spec.dtype = DType::F32;
+  EXPECT_FALSE(exclusion(c, problem_of(spec))) << "an f32 case is what f32 declares";
+  spec.dtype = DType::BF16;
   c = {};
   c.max_V = 15;
   EXPECT_EQ(exclusion(c, plain), "max_shape");
