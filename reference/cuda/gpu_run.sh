@@ -39,13 +39,8 @@ OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
 sed "s|@DIR@|$stage|g" "$stage/CTestTestfile.cmake.in" > "$stage/CTestTestfile.cmake"
 # cuBLAS from the toolkit or a wheel where the loader does not find it; the host libraries from the stage last.
-for lib in libcublasLt.so.13 libcublas.so.13 libcudart.so.13; do
-  if ldd "$stage/reference_cuda_tests" | grep "$lib" | grep -q "not found"; then
-    dir=$(dirname "$(find / -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1)")
-    export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
-  fi
-done
-ldd "$stage/reference_cuda_tests" | grep -q "not found" && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$stage/lib"
+. "$(dirname "$0")/../../scripts/device_libraries.sh"
+device_libraries "$stage/reference_cuda_tests" "$stage/lib"
 ldd "$stage/reference_cuda_tests" | grep "not found"
 export SIMPO_FIXTURES_DIR="$repo/fixtures/cases"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv

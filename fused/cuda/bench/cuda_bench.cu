@@ -6,6 +6,7 @@
 // no host transfers are timed. Each B also prints one "JSON {...}" line (bench/speed_table.py collects them);
 // --kernels adds the step kernel by kernel (CUPTI, bench/kernel_trace.h).
 #include "fused/cuda/bench/kernel_trace.h"
+#include "fused/cuda/bench/random_fill.cuh"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/gemm.h"
@@ -27,27 +28,9 @@
 using namespace simpo;
 using namespace simpo::fused;
 using namespace simpo::fused::cuda;
+using namespace simpo::fused::cuda::bench;
 
 namespace {
-
-// splitmix64 of (seed, i) -> uniform in [-1, 1): a stateless generator every thread can evaluate.
-__device__ inline float uniform_pm1(std::uint64_t seed, std::uint64_t i) {
-  std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-
-// A [rows, ld] bf16 matrix, columns < cols uniform in [-scale, scale), the padding zero.
-__global__ void fill_uniform(__nv_bfloat16* out, std::int64_t rows, std::int64_t cols, std::int64_t ld, float scale,
-                             std::uint64_t seed) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < rows * ld;
-       i += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t c = i % ld;
-    out[i] = __float2bfloat16_rn(c < cols ? scale * uniform_pm1(seed, i) : 0.0f);
-  }
-}
 
 // Targets uniform in [0, V); the first tenth of each sequence is a prompt (ignore_index), as in training data.
 __global__ void fill_targets(std::int64_t* target, std::int64_t N, std::int64_t T, std::int64_t V,

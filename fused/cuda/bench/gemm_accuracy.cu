@@ -9,6 +9,7 @@
 // then checks the promoted GEMM at odd shapes (every element written, against fp64), then times each at the
 // published workload's shapes next to the bf16-output cuBLAS GEMM (the floor torch runs).
 //   gemm_accuracy [--quick]   (--quick: accuracy and odd shapes only)
+#include "fused/cuda/bench/random_fill.cuh"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/promoted_gemm.h"
@@ -29,14 +30,9 @@ using namespace simpo::fused::cuda;
 
 namespace {
 
-std::uint64_t state = 12345;
-double uniform_pm1() {  // splitmix64
-  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<double>(z >> 11) * 0x1.0p-52 - 1.0;
-}
+// The host cases' draws, one after another from one seed.
+std::uint64_t draws = 0;
+double uniform_pm1() { return bench::uniform_pm1(12345, draws++); }
 
 // Row-major Z[M, N] (ldz) = X[M, K] W[N, K]^T as column-major Z^T = W X^T; fp32 or bf16 output.
 void cublas_logits(cublasHandle_t h, cublasComputeType_t compute, int M, int N, int K, const __nv_bfloat16* x,
@@ -132,16 +128,6 @@ double median_ms(int warmup, int reps, const std::function<void()>& body) {
   return ms[ms.size() / 2];
 }
 
-__global__ void fill_bf16(__nv_bfloat16* out, std::int64_t n, float scale, std::uint64_t seed) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    out[i] = __float2bfloat16_rn(scale * (static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f));
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -201,8 +187,8 @@ int main(int argc, char** argv) {
     std::printf("\n%-44s | %9s %9s | %s\n", "GEMM (M x 128256 x 4096)", "M=2048", "M=16384", "TFLOP/s at 16384");
     const int Mmax = 16384;
     DeviceBuffer dx(std::size_t{Mmax} * K * 2, "x"), dw(std::size_t{N} * K * 2, "w"), dz(std::size_t{Mmax} * N * 4, "z");
-    fill_bf16<<<4096, 256>>>(dx.as<__nv_bfloat16>(), std::int64_t{Mmax} * K, 1.7320508f, 1);
-    fill_bf16<<<4096, 256>>>(dw.as<__nv_bfloat16>(), std::int64_t{N} * K, std::sqrt(3.0f * 4.0f / K), 2);
+    bench::fill_uniform<<<4096, 256>>>(dx.as<__nv_bfloat16>(), 1, std::int64_t{Mmax} * K, std::int64_t{Mmax} * K, 1.7320508f, 1);
+    bench::fill_uniform<<<4096, 256>>>(dw.as<__nv_bfloat16>(), 1, std::int64_t{N} * K, std::int64_t{N} * K, std::sqrt(3.0f * 4.0f / K), 2);
     SIMPO_CUDA_CHECK_LAUNCH();
     auto time_both = [&](const std::string& name, const std::function<void(int)>& run) {
       const double a = median_ms(3, 10, [&] { run(2048); });

@@ -33,16 +33,10 @@ stage=$(realpath "${2:?stage folder}")
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
 sed "s|@DIR@|$stage|g" "$stage/CTestTestfile.cmake.in" > "$stage/CTestTestfile.cmake"
-# Libraries the binaries need that this machine may keep elsewhere: cuBLAS(Lt) from the toolkit or a wheel,
-# libgomp (OpenMP of the reference) from the stage as a last resort.
-for lib in libcublasLt.so.13 libcublas.so.13 libcudart.so.13; do
-  if ldd "$stage/cuda_backend_test" | grep "$lib" | grep -q "not found"; then
-    dir=$(dirname "$(find / -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1)")
-    export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
-  fi
-done
-ldd "$stage/cuda_backend_test" "$stage/cuda_bench" | grep -q "\(libgomp\|libcupti\).*not found" &&
-  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$stage/lib"
+# Libraries the binaries need that this machine may keep elsewhere (scripts/device_libraries.sh).
+. "$(dirname "$0")/../../../scripts/device_libraries.sh"
+device_libraries "$stage/cuda_backend_test" "$stage/lib"
+device_libraries "$stage/cuda_bench" "$stage/lib"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 
 parts=${3:-gemm ctest accuracy bench sanitize}

@@ -31,12 +31,8 @@ export NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 gunzip -kf "$stage/lib/libopenblas.so.0.gz"
 sed "s|@DIR@|$stage|g" "$stage/CTestTestfile.cmake.in" > "$stage/CTestTestfile.cmake"
 # CUDA libraries (NCCL too) from the toolkit or a wheel where the loader does not find them; host ones from the stage.
-for lib in libcublasLt.so.13 libcublas.so.13 libcudart.so.13 libnccl.so.2; do
-  if ldd "$stage/vocab_parallel_cuda_tests" | grep "$lib" | grep -q "not found"; then
-    dir=$(dirname "$(find / -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1)")
-    export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
-  fi
-done
+. "$(dirname "$0")/../../../scripts/device_libraries.sh"
+device_libraries "$stage/vocab_parallel_cuda_tests" "$stage/lib" libcublasLt.so.13 libcublas.so.13 libcudart.so.13 libnccl.so.2
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$stage/lib"
 ldd "$stage/simpo-verify" | grep -E "not found|nccl|cublas"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; date -u

@@ -6,6 +6,7 @@
 // Inputs: x ~ U(-sqrt3, sqrt3), W scaled for logits of standard deviation ~2, targets uniform with the first tenth
 // of each sequence a prompt (never zeros: they run faster than real data). Times: medians over --reps after one
 // warm-up; the fused steps by host clock around each synchronized run, the GEMMs by CUDA events.
+#include "fused/cuda/bench/random_fill.cuh"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/gemm.h"
@@ -24,16 +25,9 @@ using namespace simpo;
 using namespace simpo::fused;
 using namespace simpo::fused::cuda;
 namespace vp = simpo::fused::vocab_parallel;
+using namespace simpo::fused::cuda::bench;
 
 namespace {
-
-float uniform_pm1(std::uint64_t seed, std::uint64_t i) {
-  std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
 
 void fill(std::vector<bf16>& out, float scale, std::uint64_t seed) {
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
@@ -44,16 +38,6 @@ void fill(std::vector<bf16>& out, float scale, std::uint64_t seed) {
       for (std::size_t i = t * per; i < std::min(n, (t + 1) * per); ++i) out[i] = bf16(scale * uniform_pm1(seed, i));
     });
   for (auto& th : pool) th.join();
-}
-
-__global__ void fill_random(__nv_bfloat16* out, std::int64_t n, float scale, std::uint64_t seed) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    out[i] = __float2bfloat16_rn(scale * (static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f));
-  }
 }
 
 double median(std::vector<double> v) {
@@ -96,9 +80,9 @@ double time_gemms(std::int64_t N, std::int64_t V, std::int64_t H, int reps) {
     DeviceBuffer scratch(32 << 20, "GEMM scratch"), x(N * ld_h * 2, "x"), w(V * ld_h * 2, "w"), logits(N * ld_v * 4, "logits"),
         dz(N * ld_v * 2, "dz"), gx(N * ld_h * 4, "grad_x"), gw(V * ld_h * 4, "grad_w");
     // Random operands (padding columns included: the floor needs no exact zeros there).
-    fill_random<<<4096, 256, 0, stream>>>(x.as<__nv_bfloat16>(), N * ld_h, 1.7320508f, 1);
-    fill_random<<<4096, 256, 0, stream>>>(w.as<__nv_bfloat16>(), V * ld_h, 0.054f, 2);
-    fill_random<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), N * ld_v, 1e-3f, 4);
+    fill_uniform<<<4096, 256, 0, stream>>>(x.as<__nv_bfloat16>(), 1, N * ld_h, N * ld_h, 1.7320508f, 1);
+    fill_uniform<<<4096, 256, 0, stream>>>(w.as<__nv_bfloat16>(), 1, V * ld_h, V * ld_h, 0.054f, 2);
+    fill_uniform<<<4096, 256, 0, stream>>>(dz.as<__nv_bfloat16>(), 1, N * ld_v, N * ld_v, 1e-3f, 4);
     SIMPO_CUDA_CHECK_LAUNCH();
     Gemms gemms(stream, scratch.get(), scratch.bytes());
     auto once = [&] {
