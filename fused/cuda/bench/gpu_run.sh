@@ -6,7 +6,8 @@
 #   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all): gemm (gemm_accuracy: the logits
 #                                                  GEMMs' error and speed), ctest (ctest -L gpu), accuracy
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
-#                                                  and its variants), sanitize (memcheck on the suite, racecheck on
+#                                                  the BENCH_EXTRA forms and the 64 MiB low-memory schedule),
+#                                                  sanitize (memcheck on the suite, racecheck on
 #                                                  small cases); logs in $OUT
 # Knobs (environment): BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
 # (the same for fused_accuracy_table), SMALL_WORKSPACE, PEERS_JSON (default: bench/peers.json),

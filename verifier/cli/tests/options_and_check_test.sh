@@ -60,7 +60,7 @@ expect_refusal "check --reference gpu" "--reference" "$exe" check --inputs "$in"
 expect_refusal "case --vocab-shards 5 --V 3" "needs 1 <= shards <= V" "$exe" case --impl cpu --vocab-shards 5 --V 3
 expect_refusal "case --vocab-shards 0" "--vocab-shards" "$exe" case --impl cpu --vocab-shards 0
 
-# Every input dtype SPEC allows (issue 27): case --dtype, compute and check of an f32 inputs file (F32 gradients,
+# Every input dtype SPEC allows: case --dtype, compute and check of an f32 inputs file (F32 gradients,
 # judged against f32 bounds: the bf16 pipeline's result on the same values fails), mixed dtypes refused naming both,
 # and a sweep drawing all three dtypes.
 "$exe" case --impl cpu --dtype f32 --B 4 --T 6 --H 24 --V 101 --bias --save-inputs "$work/f32.safetensors" >/dev/null 2>&1 \
