@@ -1,5 +1,4 @@
-// The optimized implementation: chunked, bf16 in (cpu: f16 and f32 too), fp32 accumulation, never the whole
-// [B*T, V] logits.
+// The optimized implementation: chunked, bf16, f16 or f32 in, fp32 accumulation, never the whole [B*T, V] logits.
 // Two backends run one algorithm: `cuda` (cuBLASLt + our kernels, the product) and `cpu` (the same chunk
 // schedule and numerics in portable C++, for CI and GPU-less machines). The per-token and per-sequence math
 // both use lives in fused/simpo_math.h.
@@ -55,8 +54,8 @@ bool cuda_available();  // a CUDA device is present and the cuda backend was bui
 Backend resolve(Backend);  // automatic -> cuda when available, else cpu; cuda without a device: InputError
 
 // SPEC's outputs: scalars and per-pair tensors F32, grad_x in the inputs' dtype, grad_weight/grad_bias in the
-// inputs' dtype or F32. The cuda backend takes bf16 inputs (f16/f32: an InputError naming the dtype); the cpu
-// backend every input dtype.
+// inputs' dtype or F32. Both backends take every input dtype; on cuda bf16 runs the sm_90a kernels where built,
+// f16 the tensor cores through cuBLAS with the logits GEMM cut along k, f32 fp32 GEMMs (fused/cuda/README.md).
 TensorMap compute(const Problem&, const Options& = {});
 
 // Inputs already on a CUDA device (torch, CuPy): the cuda backend on caller-owned device memory, nothing copied
@@ -64,12 +63,13 @@ TensorMap compute(const Problem&, const Options& = {});
 struct DeviceCall {
   Shape shape;
   Hyperparameters hp;
+  DType input_dtype = DType::BF16;  // of x, weight and bias: bf16, f16 or f32
   int device = 0;
   std::uintptr_t stream = 0;  // the caller's cudaStream_t (0: the legacy default stream); the call is ordered on it
-  // Inputs, dense and row-major: x bf16 [B,T,H], weight bf16 [V,H], bias bf16 [V] (0: none), target int64 [B,T].
+  // Inputs, dense and row-major, of input_dtype: x [B,T,H], weight [V,H], bias [V] (0: none); target int64 [B,T].
   std::uintptr_t x = 0, weight = 0, bias = 0, target = 0;
-  // Outputs, dense, the caller's: grad_x bf16 [B,T,H]; grad_weight [V,H] and grad_bias [V], bf16 or (with
-  // options.grad_weight_f32) f32, each 16-byte aligned. Unused without options.gradients.
+  // Outputs, dense, the caller's: grad_x [B,T,H] in input_dtype; grad_weight [V,H] and grad_bias [V] in input_dtype
+  // or (with options.grad_weight_f32) f32, each 16-byte aligned. Unused without options.gradients.
   std::uintptr_t grad_x = 0, grad_weight = 0, grad_bias = 0;
   Options options;
   // Keep the backend's scratch for the next call (a training loop calls once per step); false frees it at the end.

@@ -40,11 +40,24 @@ FusedRunner& runner_for(int device) {
   return *runner;
 }
 
-// Lowest flat index of a NaN or Inf (bf16 exponent all ones) in p[0, n), by atomicMin into *first.
-__global__ void first_nonfinite(const std::uint16_t* p, std::int64_t n, unsigned long long* first) {
+// Lowest flat index of a NaN or Inf (exponent all ones: `exponent` is the dtype's exponent mask on its bits U) in
+// p[0, n), by atomicMin into *first.
+template <class U>
+__global__ void first_nonfinite(const U* p, std::int64_t n, U exponent, unsigned long long* first) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    if ((p[i] & 0x7f80u) == 0x7f80u) atomicMin(first, static_cast<unsigned long long>(i));
+    if ((p[i] & exponent) == exponent) atomicMin(first, static_cast<unsigned long long>(i));
+}
+
+// Element i of device array p of dtype `dtype`, widened to double (for a message).
+double device_value(std::uintptr_t p, DType dtype, std::int64_t i) {
+  const std::size_t size = dtype_size(dtype);
+  unsigned char bytes[4] = {};
+  SIMPO_CUDA_CHECK(cudaMemcpy(bytes, reinterpret_cast<const unsigned char*>(p) + i * size, size,
+                              cudaMemcpyDeviceToHost));
+  if (dtype == DType::F32) return static_cast<double>(*reinterpret_cast<const float*>(bytes));
+  if (dtype == DType::F16) return static_cast<double>(static_cast<float>(*reinterpret_cast<const f16*>(bytes)));
+  return static_cast<double>(static_cast<float>(*reinterpret_cast<const bf16*>(bytes)));
 }
 
 // SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message.
@@ -66,8 +79,14 @@ void scan_values(const DeviceCall& c, cudaStream_t stream) {
     std::int64_t n = 1;
     for (auto d : scans[i].shape) n *= d;
     const int blocks = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms} * 16));
-    first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(scans[i].p), n,
-                                                first.as<unsigned long long>() + i);
+    unsigned long long* result = first.as<unsigned long long>() + i;
+    if (c.input_dtype == DType::F32)
+      first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint32_t*>(scans[i].p), n,
+                                                  std::uint32_t{0x7f800000u}, result);
+    else
+      first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(scans[i].p), n,
+                                                  static_cast<std::uint16_t>(c.input_dtype == DType::F16 ? 0x7c00u : 0x7f80u),
+                                                  result);
     SIMPO_CUDA_CHECK_LAUNCH();
   }
   std::vector<unsigned long long> host(scans.size());
@@ -75,9 +94,7 @@ void scan_values(const DeviceCall& c, cudaStream_t stream) {
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (std::size_t i = 0; i < scans.size(); ++i) {
     if (host[i] == ULLONG_MAX) continue;
-    bf16 value;
-    SIMPO_CUDA_CHECK(cudaMemcpy(&value, reinterpret_cast<const std::uint16_t*>(scans[i].p) + host[i], 2,
-                                cudaMemcpyDeviceToHost));
+    const double value = device_value(scans[i].p, c.input_dtype, static_cast<std::int64_t>(host[i]));
     std::ostringstream os;
     os << "non-finite input: " << scans[i].name << index_string(static_cast<std::int64_t>(host[i]), scans[i].shape)
        << " = " << static_cast<float>(value);
@@ -92,6 +109,7 @@ Problem targets_problem(const DeviceCall& c, cudaStream_t stream) {
   Problem p;
   p.shape = {s.B, s.T, 1, s.V};
   p.hp = c.hp;
+  // (bf16 whatever the inputs' dtype: no value of these is read)
   p.x = std::vector<bf16>(static_cast<std::size_t>(s.N()), bf16(0.f));
   p.weight = std::vector<bf16>(static_cast<std::size_t>(s.V), bf16(0.f));
   if (c.bias) p.bias = InputValues(std::vector<bf16>(static_cast<std::size_t>(s.V), bf16(0.f)));
@@ -107,16 +125,26 @@ bool aligned16(std::uintptr_t p) { return p % 16 == 0; }
 
 // x or weight as the runner needs them: [rows, padded(cols)] with zero padding, 16-byte aligned. In place when
 // already so; otherwise a padded device copy held in `copy`.
-const __nv_bfloat16* rows_for_runner(std::uintptr_t p, std::int64_t rows, std::int64_t cols, DeviceBuffer& copy,
-                                     const char* name, cudaStream_t stream, std::int64_t& extra) {
-  const std::int64_t ld = padded(cols);
-  if (ld == cols && aligned16(p)) return reinterpret_cast<const __nv_bfloat16*>(p);
-  copy = DeviceBuffer(static_cast<std::size_t>(rows * ld * 2), std::string("a padded copy of ") + name, stream);
-  extra += rows * ld * 2;
-  SIMPO_CUDA_CHECK(cudaMemsetAsync(copy.get(), 0, rows * ld * 2, stream));
-  SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(copy.get(), ld * 2, reinterpret_cast<const void*>(p), cols * 2, cols * 2, rows,
+template <class T>
+const T* rows_for_runner(std::uintptr_t p, std::int64_t rows, std::int64_t cols, DeviceBuffer& copy, const char* name,
+                         cudaStream_t stream, std::int64_t& extra) {
+  const std::int64_t ld = padded(cols), e = sizeof(T);
+  if (ld == cols && aligned16(p)) return reinterpret_cast<const T*>(p);
+  copy = DeviceBuffer(static_cast<std::size_t>(rows * ld * e), std::string("a padded copy of ") + name, stream);
+  extra += rows * ld * e;
+  SIMPO_CUDA_CHECK(cudaMemsetAsync(copy.get(), 0, rows * ld * e, stream));
+  SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(copy.get(), ld * e, reinterpret_cast<const void*>(p), cols * e, cols * e, rows,
                                      cudaMemcpyDeviceToDevice, stream));
-  return copy.as<__nv_bfloat16>();
+  return copy.as<T>();
+}
+
+// f(T()) with T the device element type of an input dtype.
+template <class F> decltype(auto) with_element_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F16: return f(__half());
+    case DType::F32: return f(0.0f);
+    default: return f(__nv_bfloat16());
+  }
 }
 
 // The events that order the runner's stream after the caller's and the caller's after the runner's.
@@ -143,7 +171,9 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   validate_hyperparameters(c.hp);
   if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
   const std::int64_t N = s.N(), V = s.V, H = s.H, ld_h = padded(H);
-  const bool gradients = options.gradients, f32 = options.grad_weight_f32;
+  if (!is_input_dtype(c.input_dtype)) throw InputError("compute_on_device: inputs must be bf16, f16 or f32");
+  // grad_weight and grad_bias are F32 for f32 inputs (SPEC: the inputs' dtype) or when asked for.
+  const bool gradients = options.gradients, f32 = options.grad_weight_f32 || c.input_dtype == DType::F32;
   if (!c.x || !c.weight || !c.target) throw InputError("compute_on_device: x, weight and target must be device pointers");
   if (gradients && (!c.grad_x || !c.grad_weight || (c.bias && !c.grad_bias)))
     throw InputError("compute_on_device: gradients asked for, but no output buffer for one of them");
@@ -173,45 +203,47 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
 
   DeviceResult result;
   DeviceBuffer x_copy, weight_copy, weight_acc, bias_acc;
-  DeviceProblem dp;
-  dp.shape = s;
-  dp.hp = c.hp;
-  dp.ld_h = ld_h;
-  dp.x = rows_for_runner(c.x, N, H, x_copy, "x", stream, result.extra_device_bytes);
-  dp.weight = rows_for_runner(c.weight, V, H, weight_copy, "weight", stream, result.extra_device_bytes);
-  dp.bias = reinterpret_cast<const __nv_bfloat16*>(c.bias);
-  dp.target = reinterpret_cast<const std::int64_t*>(c.target);
-  dp.targets = read_targets(targets);
+  with_element_type(c.input_dtype, [&]<class T>(T) {
+    DeviceProblemOf<T> dp;
+    dp.shape = s;
+    dp.hp = c.hp;
+    dp.ld_h = ld_h;
+    dp.x = rows_for_runner<T>(c.x, N, H, x_copy, "x", stream, result.extra_device_bytes);
+    dp.weight = rows_for_runner<T>(c.weight, V, H, weight_copy, "weight", stream, result.extra_device_bytes);
+    dp.bias = reinterpret_cast<const T*>(c.bias);
+    dp.target = reinterpret_cast<const std::int64_t*>(c.target);
+    dp.targets = read_targets(targets);
 
-  // grad_weight: an F32 output is its own fp32 [V, padded(H)] accumulator (a padded one when H % 8 != 0); a bf16
-  // output is all the runner needs (the hi/lo pair over it, or an fp32 accumulator of its own: the plan says which).
-  // grad_bias accumulates in fp32, rounded into a bf16 output.
-  DeviceGradients g;
-  if (gradients) {
-    g.grad_x = reinterpret_cast<__nv_bfloat16*>(c.grad_x);
-    if (f32 && ld_h == H) {
-      g.grad_weight = reinterpret_cast<float*>(c.grad_weight);
-    } else if (f32) {
-      weight_acc = DeviceBuffer(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator", stream);
-      result.extra_device_bytes += V * ld_h * 4;
-      g.grad_weight = weight_acc.as<float>();
-    } else {
-      g.grad_weight_bf16 = reinterpret_cast<__nv_bfloat16*>(c.grad_weight);
+    // grad_weight: an F32 output (f32 inputs, or grad_weight_f32) is its own fp32 [V, padded(H)] accumulator (a
+    // padded one when H % 8 != 0); a 16-bit output is all the runner needs (the hi/lo pair over it, or an fp32
+    // accumulator of its own: the plan says which). grad_bias accumulates in fp32, rounded into a 16-bit output.
+    DeviceGradientsOf<T> g;
+    if (gradients) {
+      g.grad_x = reinterpret_cast<T*>(c.grad_x);
+      if (f32 && ld_h == H) {
+        g.grad_weight = reinterpret_cast<float*>(c.grad_weight);
+      } else if (f32) {
+        weight_acc = DeviceBuffer(static_cast<std::size_t>(V * ld_h * 4), "the fp32 grad_weight accumulator", stream);
+        result.extra_device_bytes += V * ld_h * 4;
+        g.grad_weight = weight_acc.as<float>();
+      } else {
+        g.grad_weight_16bit = reinterpret_cast<T*>(c.grad_weight);
+      }
+      if (c.bias && f32) {
+        g.grad_bias = reinterpret_cast<float*>(c.grad_bias);
+      } else if (c.bias) {
+        bias_acc = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator", stream);
+        result.extra_device_bytes += V * 4;
+        g.grad_bias = bias_acc.as<float>();
+        g.grad_bias_16bit = reinterpret_cast<T*>(c.grad_bias);
+      }
     }
-    if (c.bias && f32) {
-      g.grad_bias = reinterpret_cast<float*>(c.grad_bias);
-    } else if (c.bias) {
-      bias_acc = DeviceBuffer(static_cast<std::size_t>(V * 4), "the fp32 grad_bias accumulator", stream);
-      result.extra_device_bytes += V * 4;
-      g.grad_bias = bias_acc.as<float>();
-      g.grad_bias_bf16 = reinterpret_cast<__nv_bfloat16*>(c.grad_bias);
-    }
-  }
-  const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning);
-  if (gradients && f32 && ld_h != H)
-    SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4, H * 4,
-                                       V, cudaMemcpyDeviceToDevice, stream));
-  result.forward = forward_outputs(targets, dp.targets, stats);
+    const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning);
+    if (gradients && f32 && ld_h != H)
+      SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4,
+                                         H * 4, V, cudaMemcpyDeviceToDevice, stream));
+    result.forward = forward_outputs(targets, dp.targets, stats);
+  });
   result.workspace_bytes = runner.last_report().workspace_bytes;
   result.extra_device_bytes += runner.last_report().accumulator_bytes;
   result.plan = runner.last_report().to_string();
@@ -261,9 +293,6 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
   const Shape& s = problem.shape;
   // SPEC's rules but the value scan, which compute_on_device runs on the device (the copies read the host vectors).
   validate(problem, {.scan_values = false});
-  if (problem.input_dtype() != DType::BF16)
-    throw InputError("the cuda backend takes bf16 inputs; these are " + input_dtype_name(problem.input_dtype()) +
-                     " (the cpu backend and the reference take f16 and f32)");
   if (!device_present()) throw InputError("the cuda backend was asked for, but no CUDA device is present");
   const std::int64_t N = s.N(), V = s.V, H = s.H;
 
@@ -275,16 +304,20 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
     SIMPO_CUDA_CHECK(cudaMemcpyAsync(buffer.get(), host, bytes, cudaMemcpyHostToDevice, stream));
     return buffer;
   };
-  const DeviceBuffer x = upload(problem.x.as<bf16>().data(), N * H * 2, "x"),
-                     weight = upload(problem.weight.as<bf16>().data(), V * H * 2, "weight"),
+  auto upload_values = [&](const InputValues& values, const char* name) {
+    return values.visit([&](const auto& v) { return upload(v.data(), v.size() * sizeof(v[0]), name); });
+  };
+  const DeviceBuffer x = upload_values(problem.x, "x"), weight = upload_values(problem.weight, "weight"),
                      target = upload(problem.target.data(), N * 8, "target"),
-                     bias = problem.has_bias() ? upload(problem.bias->as<bf16>().data(), V * 2, "bias") : DeviceBuffer();
-  const bool f32 = options.grad_weight_f32;
-  const DType weight_dtype = f32 ? DType::F32 : DType::BF16;
-  const std::int64_t weight_element = f32 ? 4 : 2;
+                     bias = problem.has_bias() ? upload_values(*problem.bias, "bias") : DeviceBuffer();
+  const DType input = problem.input_dtype();
+  const std::int64_t input_element = static_cast<std::int64_t>(dtype_size(input));
+  const bool f32 = options.grad_weight_f32 || input == DType::F32;
+  const DType weight_dtype = f32 ? DType::F32 : input;
+  const std::int64_t weight_element = f32 ? 4 : input_element;
   DeviceBuffer grad_x, grad_weight, grad_bias;
   if (options.gradients) {
-    grad_x = DeviceBuffer(static_cast<std::size_t>(N * H * 2), "grad_x", stream);
+    grad_x = DeviceBuffer(static_cast<std::size_t>(N * H * input_element), "grad_x", stream);
     grad_weight = DeviceBuffer(static_cast<std::size_t>(V * H * weight_element), "grad_weight", stream);
     if (problem.has_bias()) grad_bias = DeviceBuffer(static_cast<std::size_t>(V * weight_element), "grad_bias", stream);
   }
@@ -292,6 +325,7 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
   DeviceCall call;
   call.shape = s;
   call.hp = problem.hp;
+  call.input_dtype = input;
   call.device = device;
   call.stream = reinterpret_cast<std::uintptr_t>(stream);
   call.x = reinterpret_cast<std::uintptr_t>(x.get());
@@ -311,7 +345,7 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
       SIMPO_CUDA_CHECK(cudaMemcpyAsync(t.bytes.data(), device_buffer.get(), t.bytes.size(), cudaMemcpyDeviceToHost, stream));
       out[name] = std::move(t);
     };
-    download(grad_x, DType::BF16, output_name::grad_x);
+    download(grad_x, input, output_name::grad_x);
     download(grad_weight, weight_dtype, output_name::grad_weight);
     if (problem.has_bias()) download(grad_bias, weight_dtype, output_name::grad_bias);
   }

@@ -13,38 +13,51 @@
 #include "problem/problem.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace simpo::fused::cuda {
 
-struct DeviceProblem {
+// T: the inputs' element type, __nv_bfloat16 (the product's path, every sm_90a kernel), __half or float (the
+// cuBLAS path with dz and the outputs in that type: plan_step).
+template <class T>
+struct DeviceProblemOf {
   Shape shape;
   Hyperparameters hp;
   std::int64_t ld_h = 0;                 // padded(H)
-  const __nv_bfloat16* x = nullptr;      // [N, ld_h], padding columns zero
-  const __nv_bfloat16* weight = nullptr; // [V, ld_h], padding columns zero
-  const __nv_bfloat16* bias = nullptr;   // [V] or nullptr
+  const T* x = nullptr;                  // [N, ld_h], padding columns zero
+  const T* weight = nullptr;             // [V, ld_h], padding columns zero
+  const T* bias = nullptr;               // [V] or nullptr
   const std::int64_t* target = nullptr;  // [N]
   Targets targets;                       // host: n[b] and N_c (fused/forward_outputs.h)
 };
+using DeviceProblem = DeviceProblemOf<__nv_bfloat16>;
 
-// grad_weight: with grad_weight_bf16 unset, `grad_weight` is the fp32 output and its own accumulator. With
-// grad_weight_bf16 set, run() accumulates where the device allows: in the bf16 hi/lo
-// pair (hilo_gemm.h: hi is grad_weight_bf16 itself, lo a [V, H] bf16 buffer the runner owns, 1 GiB at the
-// published shape) on sm_90 with CUTLASS and H % 8 == 0; else in an fp32 accumulator, `grad_weight` when the caller
-// gives one (nullptr is fine), else one the runner owns. RunReport says which and what the runner allocated.
-struct DeviceGradients {
-  __nv_bfloat16* grad_x = nullptr;            // [N, H], the output
-  float* grad_weight = nullptr;               // [V, ld_h] fp32 output / accumulator, or nullptr (see above)
-  float* grad_bias = nullptr;                 // [V] fp32, or nullptr without a bias; run() zeroes it first
-  __nv_bfloat16* grad_weight_bf16 = nullptr;  // [V, H] or nullptr: the bf16 output (see above)
-  __nv_bfloat16* grad_bias_bf16 = nullptr;    // [V] or nullptr: run() rounds grad_bias into it
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<__nv_bfloat16>() { return DType::BF16; }
+template <> constexpr DType dtype_of<__half>() { return DType::F16; }
+template <> constexpr DType dtype_of<float>() { return DType::F32; }
+
+// grad_weight: with grad_weight_16bit unset, `grad_weight` is the fp32 output and its own accumulator (f32 inputs:
+// always). With grad_weight_16bit set, run() accumulates where the device allows: in the bf16 hi/lo pair
+// (hilo_gemm.h: hi is grad_weight_16bit itself, lo a [V, H] bf16 buffer the runner owns, 1 GiB at the published
+// shape) for bf16 inputs on sm_90 with CUTLASS and H % 8 == 0; else in an fp32 accumulator, `grad_weight` when the
+// caller gives one (nullptr is fine), else one the runner owns. RunReport says which and what the runner allocated.
+template <class T>
+struct DeviceGradientsOf {
+  T* grad_x = nullptr;             // [N, H], the output
+  float* grad_weight = nullptr;    // [V, ld_h] fp32 output / accumulator, or nullptr (see above)
+  float* grad_bias = nullptr;      // [V] fp32, or nullptr without a bias; run() zeroes it first
+  T* grad_weight_16bit = nullptr;  // [V, H] or nullptr: the output in the inputs' 16-bit dtype (see above)
+  T* grad_bias_16bit = nullptr;    // [V] or nullptr: run() rounds grad_bias into it
 };
+using DeviceGradients = DeviceGradientsOf<__nv_bfloat16>;
 
 // What one run did: its plan (plan.h), and how many GEMMs cuBLASLt refused (they went to cublasGemmEx).
 struct RunReport : StepPlan {
@@ -67,7 +80,10 @@ class FusedRunner {
 
   // Plans the step (plan_step) and enqueues it on stream() (gradients == nullptr: forward only), then waits once,
   // at the end, for the N rows' statistics. Throws InputError when options.workspace_bytes cannot hold one row.
-  RowStats run(const DeviceProblem&, const DeviceGradients* gradients, const Options&, const Tuning& = {});
+  // T: __nv_bfloat16, __half or float (explicit instantiations in fused_runner.cu).
+  template <class T>
+  RowStats run(const DeviceProblemOf<T>&, const std::type_identity_t<DeviceGradientsOf<T>>* gradients, const Options&,
+               const Tuning& = {});
 
   const RunReport& last_report() const { return report_; }
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <type_traits>
 
 namespace simpo::fused::cuda {
 
@@ -54,21 +55,27 @@ struct RowArrays {
         completion_tokens(at<std::int64_t>(base, l.completion_tokens)) {}
 };
 
-PairParams pair_params(const DeviceProblem& p) {
+template <class T>
+PairParams pair_params(const DeviceProblemOf<T>& p) {
   return PairParams{p.shape.T, p.shape.P(), p.hp.ignore_index, p.hp.beta, p.hp.gamma, p.hp.label_smoothing};
 }
 
-CoefficientParams coefficient_params(const DeviceProblem& p, const RowArrays& rows) {
+template <class T>
+CoefficientParams coefficient_params(const DeviceProblemOf<T>& p, const RowArrays& rows) {
   const double nll_weight =
       p.hp.compute_nll_loss && p.targets.n_chosen > 0 ? p.hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
   return CoefficientParams{p.shape.T, p.shape.P(), p.hp.grad_scale, nll_weight, rows.avg_grad, rows.completion_tokens};
 }
 
 // The chunked step (three_pass, two_pass, forward_only): the stages walk() calls. A chunk's parts are stacked in
-// its buffers: part i starts at buffer row `offset`.
+// its buffers: part i starts at buffer row `offset`. T is the inputs' element type; the sm_90a kernels (promoted
+// logits and their epilogues, the hi/lo pair) are bf16's, and the plan chooses them for bf16 alone.
+template <class T>
 class ChunkedStep {
+  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+
  public:
-  ChunkedStep(const DeviceProblem& p, const DeviceGradients* g, const StepPlan& plan, char* base, Gemms& gemms,
+  ChunkedStep(const DeviceProblemOf<T>& p, const DeviceGradientsOf<T>* g, const StepPlan& plan, char* base, Gemms& gemms,
               void* accumulator, cudaStream_t stream)
       : p_(p),
         g_(g),
@@ -81,12 +88,12 @@ class ChunkedStep {
         ld_v_(padded(p.shape.V)),
         logits_(at<float>(base, l_.logits)),
         distances_(at<std::uint16_t>(base, l_.logits)),
-        // dz in place: row i of the chunk's bf16 dz starts where its fp32 logits row starts (dz_kernel reads each
+        // dz in place: row i of the chunk's dz starts where its fp32 logits row starts (dz_kernel reads each
         // 2048-column step before writing over it), or over its distances, element for element.
-        dz_(at<__nv_bfloat16>(base, l_.logits)),
-        ld_dz_(plan.logit_distances() ? ld_v_ : 2 * ld_v_),
+        dz_(at<T>(base, l_.logits)),
+        ld_dz_(plan.logit_distances() ? ld_v_ : ld_v_ * 4 / static_cast<std::int64_t>(sizeof(T))),
         grad_x_part_(at<float>(base, l_.grad_x)),
-        x_rows_(at<__nv_bfloat16>(base, l_.x_rows)),
+        x_rows_(at<T>(base, l_.x_rows)),
         tile_max_(at<float>(base, l_.tile_max)),
         tile_sum_exp_(at<float>(base, l_.tile_sum_exp)),
         tile_sum_(at<double>(base, l_.tile_sum)) {
@@ -96,8 +103,10 @@ class ChunkedStep {
         case StepPlan::GradWeight::f32_caller: grad_weight_f32_ = g->grad_weight; break;
         case StepPlan::GradWeight::f32_own: grad_weight_f32_ = static_cast<float*>(accumulator); break;
         case StepPlan::GradWeight::hilo:
-          hi_ = g->grad_weight_bf16;
-          lo_ = static_cast<__nv_bfloat16*>(accumulator);
+          if constexpr (kBf16) {
+            hi_ = g->grad_weight_16bit;
+            lo_ = static_cast<__nv_bfloat16*>(accumulator);
+          }
           break;
         default: break;
       }
@@ -122,9 +131,10 @@ class ChunkedStep {
   // The hi/lo pair's hi is the rounded output already; an fp32 accumulator is rounded into a bf16 output.
   void epilogue() {
     const std::int64_t V = p_.shape.V, H = p_.shape.H;
-    if (g_ && g_->grad_weight_bf16 && !hi_)
-      launch_round_to_bf16(grad_weight_f32_, p_.ld_h, V, H, g_->grad_weight_bf16, stream_);
-    if (g_ && g_->grad_bias && g_->grad_bias_bf16) launch_round_to_bf16(g_->grad_bias, V, 1, V, g_->grad_bias_bf16, stream_);
+    if (g_ && g_->grad_weight_16bit && !hi_)
+      launch_round_to(grad_weight_f32_, p_.ld_h, V, H, g_->grad_weight_16bit, stream_);
+    if (g_ && g_->grad_bias && g_->grad_bias_16bit)
+      launch_round_to(g_->grad_bias, V, 1, V, g_->grad_bias_16bit, stream_);
   }
 
  private:
@@ -154,19 +164,23 @@ class ChunkedStep {
   // rows, rejected rows) would otherwise read and write the whole grad_W accumulator twice.
   void backward(const Chunk& c) {
     const std::int64_t V = p_.shape.V, H = p_.shape.H, ld_h = p_.ld_h, rows = c.rows();
-    const __nv_bfloat16* x_chunk = x_chunk_ != nullptr ? x_chunk_ : gather_x(c);
+    const T* x_chunk = x_chunk_ != nullptr ? x_chunk_ : gather_x(c);
     x_chunk_ = nullptr;
     const CoefficientParams coefficients = coefficient_params(p_, rows_);
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       const RowRange& part = c.parts[i];
-      if (plan_.logit_distances())
-        launch_dz_from_distances(
-            LogitDistanceRows{distances_ + offset * ld_v_, ld_v_, part.rows(), part.begin, V, tile_max_ + offset,
-                              l_.tile_ld, statistics_tile_columns, p_.target, p_.hp.ignore_index},
-            coefficients, rows_.row_max, rows_.lse, rows_.z_target, dz_ + offset * ld_dz_, ld_dz_, rows_.target_coef,
-            stream_);
-      else
+      bool from_distances = false;
+      if constexpr (kBf16) {
+        from_distances = plan_.logit_distances();
+        if (from_distances)
+          launch_dz_from_distances(
+              LogitDistanceRows{distances_ + offset * ld_v_, ld_v_, part.rows(), part.begin, V, tile_max_ + offset,
+                                l_.tile_ld, statistics_tile_columns, p_.target, p_.hp.ignore_index},
+              coefficients, rows_.row_max, rows_.lse, rows_.z_target, dz_ + offset * ld_dz_, ld_dz_,
+              rows_.target_coef, stream_);
+      }
+      if (!from_distances)
         launch_dz(part_logits(part, offset), coefficients, rows_.row_max, rows_.lse, rows_.z_target,
                   dz_ + offset * ld_dz_, ld_dz_, rows_.target_coef, stream_);
       offset += part.rows();
@@ -177,14 +191,17 @@ class ChunkedStep {
       chunk_rows.begin[i] = c.parts[i].begin;
       chunk_rows.rows[i] = c.parts[i].rows();
     }
-    if (hi_) {
-      // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
-      // term, per target once, after both (each reads and writes the pair).
-      const std::int64_t V8 = V / 8 * 8;
-      hilo_accumulate_grad_weight(rows, V8, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_, stream_,
-                                  gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
-      launch_hilo_tail(rows, V8, V, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_, stream_);
-    } else {
+    if constexpr (kBf16) {
+      if (hi_) {
+        // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
+        // term, per target once, after both (each reads and writes the pair).
+        const std::int64_t V8 = V / 8 * 8;
+        hilo_accumulate_grad_weight(rows, V8, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_,
+                                    stream_, gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
+        launch_hilo_tail(rows, V8, V, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_, stream_);
+      }
+    }
+    if (!hi_) {
       gemms_.accumulate_grad_weight(rows, V, ld_h, dz_, ld_dz_, x_chunk, grad_weight_f32_,
                                     /*overwrite=*/first_weight_gemm_);
     }
@@ -205,20 +222,20 @@ class ChunkedStep {
       launch_bias_column_sums(dz_, ld_dz_, chunk_rows, V, 0, p_.target, rows_.target_coef, g_->grad_bias, stream_);
   }
 
-  LogitRows part_logits(const RowRange& part, std::int64_t offset) const {
-    return LogitRows{logits_ + offset * ld_v_, ld_v_, part.rows(), part.begin, p_.shape.V, p_.bias, p_.target,
+  LogitRowsOf<T> part_logits(const RowRange& part, std::int64_t offset) const {
+    return LogitRowsOf<T>{logits_ + offset * ld_v_, ld_v_, part.rows(), part.begin, p_.shape.V, p_.bias, p_.target,
                      p_.hp.ignore_index};
   }
 
   // A three_pass chunk's x rows (two parts) copied together into x_rows, where both the logits GEMM and the
   // weight GEMM take them: one GEMM of the chunk's rows instead of one per part (W read once per chunk, not twice).
-  const __nv_bfloat16* gather_x(const Chunk& c) {
+  const T* gather_x(const Chunk& c) {
     const std::int64_t ld_h = p_.ld_h;
     if (c.part_count == 1) return p_.x + c.parts[0].begin * ld_h;
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
       SIMPO_CUDA_CHECK(cudaMemcpyAsync(x_rows_ + offset * ld_h, p_.x + c.parts[i].begin * ld_h,
-                                       c.parts[i].rows() * ld_h * 2, cudaMemcpyDeviceToDevice, stream_));
+                                       c.parts[i].rows() * ld_h * sizeof(T), cudaMemcpyDeviceToDevice, stream_));
       offset += c.parts[i].rows();
     }
     return x_rows_;
@@ -226,13 +243,14 @@ class ChunkedStep {
 
   // The fp32 logits of `rows` rows of x into the chunk's buffer from row `offset`: the promoted GEMM over whole
   // groups of 4 columns, the last V % 4 through cuBLAS cut along k as often, so they carry the same small bias.
-  void logits_rows(std::int64_t rows, const __nv_bfloat16* x, std::int64_t offset) {
+  void logits_rows(std::int64_t rows, const T* x, std::int64_t offset) {
     const std::int64_t V = p_.shape.V, ld_h = p_.ld_h;
     float* out = logits_ + offset * ld_v_;
-    const std::int64_t V4 = plan_.logits.promoted ? V / 4 * 4 : 0;
-    if (V4 > 0)
-      promoted_logits(rows, V4, ld_h, x, p_.weight, out, ld_v_, plan_.logits.promotion_k, stream_, gemm_scratch_,
-                      static_cast<std::size_t>(l_.gemm_bytes));
+    const std::int64_t V4 = kBf16 && plan_.logits.promoted ? V / 4 * 4 : 0;
+    if constexpr (kBf16)
+      if (V4 > 0)
+        promoted_logits(rows, V4, ld_h, x, p_.weight, out, ld_v_, plan_.logits.promotion_k, stream_, gemm_scratch_,
+                        static_cast<std::size_t>(l_.gemm_bytes));
     if (V4 < V) gemms_.logits(rows, V - V4, ld_h, x, p_.weight + V4 * ld_h, out + V4, ld_v_, plan_.logits.k_splits);
   }
 
@@ -240,7 +258,7 @@ class ChunkedStep {
   // the epilogue statistics can skip storing them: row_stats_kernel reads them); x_chunk: the chunk's rows
   // gathered, for one GEMM over them all. With distances every stored chunk is distances, from the statistics GEMM
   // (the two_pass schedule's second pass writes the same partials again, unmerged).
-  void logits_of(const Chunk& c, bool with_stats, bool store, const __nv_bfloat16* x_chunk) {
+  void logits_of(const Chunk& c, bool with_stats, bool store, const T* x_chunk) {
     const bool distances = plan_.logit_distances();
     const bool from_epilogue = (with_stats && plan_.epilogue_statistics) || (store && distances);
     if (!from_epilogue) {
@@ -255,6 +273,11 @@ class ChunkedStep {
       }
       return;
     }
+    if constexpr (kBf16) logits_from_epilogue(c, with_stats, store && distances);
+  }
+
+  // The promoted GEMM with the statistics (and, with `distances`, the stored distances) in its epilogue.
+  void logits_from_epilogue(const Chunk& c, bool with_stats, bool distances) {
     const std::int64_t V = p_.shape.V, ld_h = p_.ld_h;
     std::int64_t offset = 0;
     for (int i = 0; i < c.part_count; ++i) {
@@ -269,7 +292,7 @@ class ChunkedStep {
       out.tile_sum_exp = tile_sum_exp_ + offset;
       out.tile_sum = tile_sum_ + offset;
       out.z_target = rows_.z_target_raw + part.begin;
-      if (store && distances)
+      if (distances)
         promoted_logits_distances(part.rows(), V, ld_h, x_part, p_.weight, distances_ + offset * ld_v_, ld_v_,
                                   plan_.logits.promotion_k, out, stream_, gemm_scratch_,
                                   static_cast<std::size_t>(l_.gemm_bytes));
@@ -286,8 +309,8 @@ class ChunkedStep {
     }
   }
 
-  const DeviceProblem& p_;
-  const DeviceGradients* g_;
+  const DeviceProblemOf<T>& p_;
+  const DeviceGradientsOf<T>* g_;
   const StepPlan& plan_;
   const Layout& l_;
   RowArrays rows_;
@@ -297,15 +320,15 @@ class ChunkedStep {
   std::int64_t ld_v_;
   float* logits_;
   std::uint16_t* distances_;  // the same bytes as logits_, [rows, ld_v]
-  __nv_bfloat16* dz_;         // the same bytes as logits_, [rows, ld_dz]
+  T* dz_;                     // the same bytes as logits_, [rows, ld_dz]
   std::int64_t ld_dz_;
   float* grad_x_part_;
-  __nv_bfloat16* x_rows_;
+  T* x_rows_;
   float *tile_max_, *tile_sum_exp_;
   double* tile_sum_;
   float* grad_weight_f32_ = nullptr;
   __nv_bfloat16 *hi_ = nullptr, *lo_ = nullptr;
-  const __nv_bfloat16* x_chunk_ = nullptr;  // the kept chunk's gathered x rows, from forward to backward
+  const T* x_chunk_ = nullptr;  // the kept chunk's gathered x rows, from forward to backward
   bool first_weight_gemm_ = true;
 };
 
@@ -400,10 +423,10 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
     }
     // target_coef holds every row's coefficient now (row_coefficients_kernel, or each block's dz_kernel)
     launch_target_scatter(p.x, N, 0, H, ld_h, p.target, rows.target_coef, gw, nullptr, stream, v0, v0 + columns);
-    if (g.grad_weight_bf16) launch_round_to_bf16(gw, ld_h, columns, H, g.grad_weight_bf16 + v0 * H, stream);
+    if (g.grad_weight_16bit) launch_round_to(gw, ld_h, columns, H, g.grad_weight_16bit + v0 * H, stream);
   }
   launch_grad_x_finish(grad_x_sum, N, 0, H, ld_h, p.weight, p.target, rows.target_coef, g.grad_x, stream);
-  if (g.grad_bias && g.grad_bias_bf16) launch_round_to_bf16(g.grad_bias, V, 1, V, g.grad_bias_bf16, stream);
+  if (g.grad_bias && g.grad_bias_16bit) launch_round_to(g.grad_bias, V, 1, V, g.grad_bias_16bit, stream);
 }
 
 const char* accumulator_purpose(StepPlan::GradWeight form) {
@@ -464,13 +487,14 @@ RowStats FusedRunner::download_row_stats(std::int64_t N, const float* lse, const
   return stats;
 }
 
-RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, const Options& options,
-                          const Tuning& tuning) {
+template <class T>
+RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_t<DeviceGradientsOf<T>>* g,
+                          const Options& options, const Tuning& tuning) {
   if (p.ld_h != padded(p.shape.H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
-  if (g && !g->grad_weight_bf16 && !g->grad_weight)
-    throw CudaError("DeviceGradients: neither grad_weight nor grad_weight_bf16 is set");
-  const GradientOutputs outputs{.grad_weight_f32 = g && g->grad_weight, .grad_weight_bf16 = g && g->grad_weight_bf16};
-  report_ = RunReport{plan_step(p.shape, options, device_features(), g ? &outputs : nullptr, tuning)};
+  if (g && !g->grad_weight_16bit && !g->grad_weight)
+    throw CudaError("DeviceGradients: neither grad_weight nor grad_weight_16bit is set");
+  const GradientOutputs outputs{.grad_weight_f32 = g && g->grad_weight, .grad_weight_16bit = g && g->grad_weight_16bit};
+  report_ = RunReport{plan_step(p.shape, dtype_of<T>(), options, device_features(), g ? &outputs : nullptr, tuning)};
   const StepPlan& plan = report_;
 
   void* accumulator = plan.accumulator_bytes > 0
@@ -480,14 +504,23 @@ RowStats FusedRunner::run(const DeviceProblem& p, const DeviceGradients* g, cons
   char* base = allocate_workspace(plan.layout, plan.workspace_bytes);
   const RowArrays rows(base, plan.layout);
   if (plan.low_memory) {
-    run_low_memory(p, *g, plan, base, *gemms_, static_cast<float*>(accumulator), stream_);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)  // the plan picks it only where the promoted GEMM runs
+      run_low_memory(p, *g, plan, base, *gemms_, static_cast<float*>(accumulator), stream_);
   } else {
-    ChunkedStep step(p, g, plan, base, *gemms_, accumulator, stream_);
+    ChunkedStep<T> step(p, g, plan, base, *gemms_, accumulator, stream_);
     step.prologue();
     walk(plan.schedule, p.shape, step.stages());
     step.epilogue();
   }
   return download_row_stats(p.shape.N(), rows.lse, rows.z_target, rows.rowsum);
 }
+
+template RowStats FusedRunner::run<__nv_bfloat16>(const DeviceProblemOf<__nv_bfloat16>&,
+                                                  const DeviceGradientsOf<__nv_bfloat16>*, const Options&,
+                                                  const Tuning&);
+template RowStats FusedRunner::run<__half>(const DeviceProblemOf<__half>&, const DeviceGradientsOf<__half>*,
+                                           const Options&, const Tuning&);
+template RowStats FusedRunner::run<float>(const DeviceProblemOf<float>&, const DeviceGradientsOf<float>*,
+                                          const Options&, const Tuning&);
 
 }  // namespace simpo::fused::cuda

@@ -36,6 +36,11 @@ int as_int(std::int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
+template <class T> constexpr cudaDataType cuda_type();
+template <> constexpr cudaDataType cuda_type<__nv_bfloat16>() { return CUDA_R_16BF; }
+template <> constexpr cudaDataType cuda_type<__half>() { return CUDA_R_16F; }
+template <> constexpr cudaDataType cuda_type<float>() { return CUDA_R_32F; }
+
 }  // namespace
 
 Gemms::Gemms(cudaStream_t stream, void* workspace, std::size_t workspace_bytes)
@@ -55,9 +60,9 @@ Gemms::~Gemms() {
   if (lt_) cublasLtDestroy(lt_);
 }
 
-void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
-                 const __nv_bfloat16* A, std::int64_t lda, const __nv_bfloat16* B, std::int64_t ldb, float beta,
-                 float* C, std::int64_t ldc) {
+void Gemms::gemm(cudaDataType type, bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n,
+                 std::int64_t k, const void* A, std::int64_t lda, const void* B, std::int64_t ldb, float beta, float* C,
+                 std::int64_t ldc) {
   if (m == 0 || n == 0) return;
   cudaStream_t stream = stream_;
   const float alpha = 1.0f;
@@ -71,12 +76,12 @@ void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
   SIMPO_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.operation, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   SIMPO_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   SIMPO_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, a_rows, a_cols, lda));
-  SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, b_rows, b_cols, ldb));
+  SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, type, a_rows, a_cols, lda));
+  SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, type, b_rows, b_cols, ldb));
   SIMPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_32F, m, n, ldc));
 
   const int align_a = alignment_of(A), align_b = alignment_of(B), align_c = alignment_of(C);
-  const Key key{transpose_a, transpose_b, m, n, k, lda, ldb, ldc, align_a, align_b, align_c};
+  const Key key{static_cast<int>(type), transpose_a, transpose_b, m, n, k, lda, ldb, ldc, align_a, align_b, align_c};
   auto found = choices_.find(key);
   if (found == choices_.end()) {
     Choice choice;
@@ -116,36 +121,50 @@ void Gemms::gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_
   SIMPO_CUBLAS_CHECK(cublasSetStream(blas_, stream));
   SIMPO_CUBLAS_CHECK(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
   SIMPO_CUBLAS_CHECK(cublasGemmEx(blas_, op_a, op_b, as_int(m, "m"), as_int(n, "n"), as_int(k, "k"), &alpha, A,
-                                  CUDA_R_16BF, as_int(lda, "lda"), B, CUDA_R_16BF, as_int(ldb, "ldb"), &beta, C,
+                                  type, as_int(lda, "lda"), B, type, as_int(ldb, "ldb"), &beta, C,
                                   CUDA_R_32F, as_int(ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 // Row-major logits[rows, V] = x W^T is column-major logits^T[V, rows] = (W as col-major [ld_h, V])^T x^T,
 // with x^T the col-major [ld_h, rows] view of row-major x.
-void Gemms::logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
-                   const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, int k_splits) {
+template <class T>
+void Gemms::logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* x, const T* weight, float* logits,
+                   std::int64_t ld_logits, int k_splits) {
   // Slices of whole 8-element groups, so every slice's operands stay 16-byte aligned.
   const std::int64_t slice = (ld_h + 8 * k_splits - 1) / (8 * k_splits) * 8;
   for (std::int64_t k0 = 0; k0 < ld_h; k0 += slice) {
     const std::int64_t k = std::min(slice, ld_h - k0);
-    gemm(/*transpose_a=*/true, /*transpose_b=*/false, V, rows, k, weight + k0, ld_h, x + k0, ld_h,
+    gemm(cuda_type<T>(), /*transpose_a=*/true, /*transpose_b=*/false, V, rows, k, weight + k0, ld_h, x + k0, ld_h,
          k0 == 0 ? 0.0f : 1.0f, logits, ld_logits);
   }
 }
 
 // Row-major grad_x[rows, ld_h] = dz W is column-major grad_x^T[ld_h, rows] = W^T(col-major [ld_h, V]) dz^T.
-void Gemms::grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
-                   std::int64_t ld_dz, const __nv_bfloat16* weight, float* grad_x, bool accumulate) {
-  gemm(false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, accumulate ? 1.0f : 0.0f, grad_x, ld_h);
+template <class T>
+void Gemms::grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz, std::int64_t ld_dz,
+                   const T* weight, float* grad_x, bool accumulate) {
+  gemm(cuda_type<T>(), false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, accumulate ? 1.0f : 0.0f, grad_x, ld_h);
 }
 
 // Row-major grad_W[V, ld_h] += dz^T x is column-major grad_W^T[ld_h, V] += x^T(col-major [ld_h, rows]) dz
 // (dz^T is col-major [V, rows], transposed to [rows, V]).
-void Gemms::accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
-                                   std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight,
-                                   bool overwrite) {
+template <class T>
+void Gemms::accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz,
+                                   std::int64_t ld_dz, const T* x, float* grad_weight, bool overwrite) {
   if (rows == 0) return;
-  gemm(false, true, ld_h, V, rows, x, ld_h, dz, ld_dz, overwrite ? 0.0f : 1.0f, grad_weight, ld_h);
+  gemm(cuda_type<T>(), false, true, ld_h, V, rows, x, ld_h, dz, ld_dz, overwrite ? 0.0f : 1.0f, grad_weight, ld_h);
 }
+
+#define SIMPO_GEMMS_FOR(T)                                                                                    \
+  template void Gemms::logits<T>(std::int64_t, std::int64_t, std::int64_t, const T*, const T*, float*, std::int64_t, \
+                                 int);                                                                            \
+  template void Gemms::grad_x<T>(std::int64_t, std::int64_t, std::int64_t, const T*, std::int64_t, const T*, float*, \
+                                 bool);                                                                           \
+  template void Gemms::accumulate_grad_weight<T>(std::int64_t, std::int64_t, std::int64_t, const T*, std::int64_t,   \
+                                                 const T*, float*, bool);
+SIMPO_GEMMS_FOR(__nv_bfloat16)
+SIMPO_GEMMS_FOR(__half)
+SIMPO_GEMMS_FOR(float)
+#undef SIMPO_GEMMS_FOR
 
 }  // namespace simpo::fused::cuda

@@ -1,4 +1,5 @@
-// The three GEMMs of the fused algorithm, through cuBLASLt: bf16 operands, fp32 compute, fp32 output.
+// The three GEMMs of the fused algorithm, through cuBLASLt: operands in the inputs' dtype (bf16 or f16 on the tensor
+// cores, f32 as plain fp32 FMAs: CUBLAS_COMPUTE_32F never takes TF32 unless asked), fp32 compute, fp32 output.
 // Everything here is row-major [rows, ld]; cuBLAS is column-major, so each call computes C^T = op(B)^T op(A)^T
 // with the operands swapped (spelled out at each call site in gemm.cu).
 //
@@ -10,6 +11,7 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -36,34 +38,37 @@ class Gemms {
   // in the fp32 epilogue (beta = 1): the tensor cores' fp32 accumulation rounds toward zero, a bias that grows
   // with the length of k (bench/gemm_accuracy.cu measures it), so slices of k/s leave ~1/s of it, for s - 1
   // extra passes over the fp32 logits.
-  void logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
-              const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits, int k_splits = 1);
+  // T: __nv_bfloat16, __half or float (the operands' type; explicit instantiations in gemm.cu).
+  template <class T>
+  void logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* x, const T* weight, float* logits,
+              std::int64_t ld_logits, int k_splits = 1);
   // grad_x[rows, ld_h] (+)= dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero);
   // accumulate: beta = 1 (the low-memory schedule sums it over slices of the vocabulary).
-  void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz, std::int64_t ld_dz,
-              const __nv_bfloat16* weight, float* grad_x, bool accumulate = false);
+  template <class T>
+  void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz, std::int64_t ld_dz, const T* weight,
+              float* grad_x, bool accumulate = false);
   // grad_weight[V, ld_h] (+)= dz[rows, V]^T x[rows, ld_h]: the fp32 accumulator across chunks (beta = 1), or
   // its first term (beta = 0, `overwrite`), which saves clearing V*H*4 bytes beforehand.
-  void accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* dz,
-                              std::int64_t ld_dz, const __nv_bfloat16* x, float* grad_weight, bool overwrite = false);
+  template <class T>
+  void accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz, std::int64_t ld_dz,
+                              const T* x, float* grad_weight, bool overwrite = false);
 
   // How many calls took the cublasGemmEx fallback (tests and the benchmark report it).
   int fallback_calls() const { return fallback_calls_; }
 
  private:
-  // Column-major C[m, n] (ldc) = op(A) op(B) + beta C.
-  void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
-            const __nv_bfloat16* A, std::int64_t lda, const __nv_bfloat16* B, std::int64_t ldb, float beta, float* C,
-            std::int64_t ldc);
+  // Column-major C[m, n] (ldc) = op(A) op(B) + beta C, A and B of cuBLAS type `type`.
+  void gemm(cudaDataType type, bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
+            const void* A, std::int64_t lda, const void* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc);
 
   cudaStream_t stream_;
   void* workspace_;
   std::size_t workspace_bytes_;
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
-  // Heuristic answers per (transa, transb, m, n, k, lda, ldb, ldc, alignments): asking costs
+  // Heuristic answers per (type, transa, transb, m, n, k, lda, ldb, ldc, alignments): asking costs
   // tens of microseconds, and a run repeats the same few shapes chunk after chunk.
-  using Key = std::tuple<bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+  using Key = std::tuple<int, bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                          std::int64_t, int, int, int>;
   struct Choice {
     bool found = false;

@@ -6,13 +6,13 @@
 //   merge_tile_stats_kernel   1 (forward)     the same four from the logits GEMM epilogue's per-tile partials
 //                                             (promoted_stats.h), which replace row_stats_kernel's read of the logits
 //   pair_math_kernel          between 1 and 2 per pair: the two sequences' averages of log p and dL/davg of each
-//   dz_kernel                 2 (backward)    per row: dz = -k softmax in bf16 (0 at the target), k (1 - p_t);
+//   dz_kernel                 2 (backward)    per row: dz = -k softmax in the inputs' dtype (0 at the target), k (1 - p_t);
 //                                             in place over the row's fp32 logits (a barrier per 2048 columns)
 //   dz_from_distances_kernel  2 (backward)    the same from the 16-bit logit distances (promoted_stats.h), in place
 //                                             over them (Options::logit_distances)
 //   row_coefficients_kernel   2               per row: k and k (1 - p_t) alone, where dz comes from the logits
 //                                             GEMM's epilogue (promoted_dz.h; the low-memory schedule)
-//   grad_x_finish_kernel      2               per row: grad_x = bf16(GEMM part + k (1 - p_t) W[target])
+//   grad_x_finish_kernel      2               per row: grad_x = T(GEMM part + k (1 - p_t) W[target])
 //   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x, fp32 atomics (the low-memory
 //                                             schedule's vocabulary slices)
 //   bias_column_sums_kernel   2               grad_bias += column sums of dz and the target terms, rows in order
@@ -20,7 +20,7 @@
 //                                             fp32 accumulator: per target, one block sums its rows and adds once
 //   hilo_tail_kernel          2               the last V % 8 rows of dz^T x into the hi/lo pair (the GEMM's TMA
 //                                             takes whole groups of 8)
-//   round_to_bf16_kernel      end             the fp32 grad_weight / grad_bias accumulators into the bf16 outputs
+//   round_to_kernel           end             the fp32 grad_weight / grad_bias accumulators into the outputs
 #include "fused/cuda/kernels.h"
 
 #include <algorithm>
@@ -39,8 +39,8 @@ using namespace ::simpo::fused::cuda::rows;
 
 // ---- pass 1: row statistics ----
 // One block per row, one read of the row (reduce_row).
-template <bool kBias>
-__global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRows a, float* row_max, float* lse,
+template <bool kBias, class T>
+__global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRowsOf<T> a, float* row_max, float* lse,
                                                                float* z_target, double* rowsum) {
   const std::int64_t local = blockIdx.x, r = a.row_begin + local;
   const float* row = a.logits + local * a.ld_logits;
@@ -156,13 +156,13 @@ __device__ inline float row_k(const CoefficientParams& c, std::int64_t r, bool c
                                                b < c.P ? c.nll_weight : 0.0));
 }
 
-template <bool kBias>
-__global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, CoefficientParams c, const float* row_max,
-                                                        const float* lse, const float* z_target, __nv_bfloat16* dz,
+template <bool kBias, class T>
+__global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRowsOf<T> a, CoefficientParams c, const float* row_max,
+                                                        const float* lse, const float* z_target, T* dz,
                                                         std::int64_t ld_dz, float* target_coef) {
   const std::int64_t local = blockIdx.x, r = a.row_begin + local;
   const float* row = a.logits + local * a.ld_logits;
-  __nv_bfloat16* out = dz + local * ld_dz;
+  T* out = dz + local * ld_dz;
   const std::int64_t target = a.target[r];
   const bool completion = target != a.ignore_index;
   const std::int64_t t = target - a.column_begin;  // the target's column in this buffer (maybe outside it)
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRows a, Coefficien
   float value = 0.0f;
   if (v < a.V && v != t && k != 0.0f) value = m::softmax_gradient(k, load1<kBias>(row, a.bias, v) - shift, row_lse);
   __syncthreads();
-  if (v < end) out[v] = __float2bfloat16_rn(value);
+  if (v < end) out[v] = from_float<T>(value);
   if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_t, row_lse) : 0.0f;
 }
 
@@ -243,41 +243,35 @@ __global__ void __launch_bounds__(kRowThreads) row_coefficients_kernel(std::int6
 
 // ---- after the gradient GEMMs ----
 
-// One block per row: grad_x = bf16(gemm + c W[target]); 16-byte accesses when H is a multiple of 8.
-template <bool kVector>
+// One block per row: grad_x = T(gemm + c W[target]); 16-byte accesses when H is a multiple of 8.
+template <bool kVector, class T>
 __global__ void __launch_bounds__(kRowThreads) grad_x_finish_kernel(const float* part, std::int64_t row_begin,
-                                                                   std::int64_t H, std::int64_t ld_h,
-                                                                   const __nv_bfloat16* weight,
+                                                                   std::int64_t H, std::int64_t ld_h, const T* weight,
                                                                    const std::int64_t* target, const float* coef,
-                                                                   __nv_bfloat16* out) {
+                                                                   T* out) {
   const std::int64_t local = blockIdx.x, r = row_begin + local;
   const float c = coef[r];
   const float* in = part + local * ld_h;
-  __nv_bfloat16* dst = out + r * H;
+  T* dst = out + r * H;
   // c is 0 on ignored rows (whose target is not a valid row of W) and wherever k is 0.
-  const __nv_bfloat16* w = c != 0.0f ? weight + target[r] * ld_h : nullptr;
+  const T* w = c != 0.0f ? weight + target[r] * ld_h : nullptr;
   if constexpr (kVector) {
     for (std::int64_t h = std::int64_t(threadIdx.x) * 8; h < H; h += kRowThreads * 8) {
-      const float4 lo = *reinterpret_cast<const float4*>(in + h);
-      const float4 hi = *reinterpret_cast<const float4*>(in + h + 4);
-      float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      float v[8];
+      load8(in + h, v);
       if (w) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(w + h);
-        const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        float wv[8];
+        load8(w + h, wv);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 wv = __bfloat1622float2(pairs[i]);
-          v[2 * i] += c * wv.x;
-          v[2 * i + 1] += c * wv.y;
-        }
+        for (int i = 0; i < 8; ++i) v[i] += c * wv[i];
       }
       store8(dst + h, v);
     }
   } else {
     for (std::int64_t h = threadIdx.x; h < H; h += kRowThreads) {
       float v = in[h];
-      if (w) v += c * __bfloat162float(w[h]);
-      dst[h] = __float2bfloat16_rn(v);
+      if (w) v += c * to_float(w[h]);
+      dst[h] = from_float<T>(v);
     }
   }
 }
@@ -308,7 +302,8 @@ __device__ inline std::int64_t chunk_row(const ChunkRows& c, std::int64_t j) {
 // the row's coefficient): thread = column, the rows in chunk order, one write per column, so the sum does not
 // depend on timing (no atomics). Coalesced: a warp reads 32 consecutive columns of one row; the row's target and
 // coefficient are one broadcast load each.
-__global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const __nv_bfloat16* dz, std::int64_t ld,
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const T* dz, std::int64_t ld,
                                                                       ChunkRows c, std::int64_t V,
                                                                       std::int64_t column_begin,
                                                                       const std::int64_t* target, const float* coef,
@@ -319,7 +314,7 @@ __global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const __n
   float sum = 0;
   for (std::int64_t j = 0; j < rows; ++j) {
     const std::int64_t r = chunk_row(c, j);
-    sum += __bfloat162float(dz[j * ld + v]);
+    sum += to_float(dz[j * ld + v]);
     if (target != nullptr && target[r] == column_begin + v) sum += coef[r];
   }
   grad_bias[v] += sum;
@@ -341,7 +336,8 @@ __device__ inline void hilo_add(__nv_bfloat16* hi, __nv_bfloat16* lo, float add,
 // hi/lo pair, or of an fp32 accumulator (`f32` not null).
 // Leaders of different targets write different rows: no atomics, and the result does not depend on timing.
 constexpr int kTargetColumns = 16;  // columns per thread and pass: H <= 4096 in one scan of the chunk's rows
-__global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const __nv_bfloat16* x, std::int64_t ld_x,
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, std::int64_t ld_x,
                                                                       std::int64_t H, ChunkRows c,
                                                                       const std::int64_t* target, const float* coef,
                                                                       __nv_bfloat16* hi, __nv_bfloat16* lo, float* f32,
@@ -384,11 +380,11 @@ __global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const __nv_bfl
       for (int k = 0; k < count; ++k) {
         const std::int64_t rk = list[k];
         const float ck = coef[rk];
-        const __nv_bfloat16* xr = x + rk * ld_x;
+        const T* xr = x + rk * ld_x;
 #pragma unroll
         for (int q = 0; q < kTargetColumns; ++q) {
           const std::int64_t h = h0 + q * kRowThreads + threadIdx.x;
-          if (h < H) sum[q] += ck * __bfloat162float(xr[h]);
+          if (h < H) sum[q] += ck * to_float(xr[h]);
         }
       }
       __syncthreads();  // list and warp_count are refilled by the next batch
@@ -417,21 +413,20 @@ __global__ void __launch_bounds__(kRowThreads) hilo_tail_kernel(std::int64_t row
   hilo_add(hi + v * ld_w + h, lo + v * ld_w + h, sum, overwrite);
 }
 
-template <bool kVector>
-__global__ void __launch_bounds__(kRowThreads) round_to_bf16_kernel(const float* in, std::int64_t ld_in,
-                                                                   std::int64_t cols, __nv_bfloat16* out) {
+template <bool kVector, class T>
+__global__ void __launch_bounds__(kRowThreads) round_to_kernel(const float* in, std::int64_t ld_in, std::int64_t cols,
+                                                              T* out) {
   const std::int64_t r = blockIdx.x;
   const float* src = in + r * ld_in;
-  __nv_bfloat16* dst = out + r * cols;
+  T* dst = out + r * cols;
   if constexpr (kVector) {
     for (std::int64_t c = std::int64_t(threadIdx.x) * 8; c < cols; c += kRowThreads * 8) {
-      const float4 lo = *reinterpret_cast<const float4*>(src + c);
-      const float4 hi = *reinterpret_cast<const float4*>(src + c + 4);
-      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      float v[8];
+      load8(src + c, v);
       store8(dst + c, v);
     }
   } else {
-    for (std::int64_t c = threadIdx.x; c < cols; c += kRowThreads) dst[c] = __float2bfloat16_rn(src[c]);
+    for (std::int64_t c = threadIdx.x; c < cols; c += kRowThreads) dst[c] = from_float<T>(src[c]);
   }
 }
 
@@ -443,7 +438,8 @@ unsigned grid_rows(std::int64_t rows) {
 
 }  // namespace
 
-void launch_row_stats(const LogitRows& a, float* row_max, float* lse, float* z_target, double* rowsum,
+template <class T>
+void launch_row_stats(const LogitRowsOf<T>& a, float* row_max, float* lse, float* z_target, double* rowsum,
                       cudaStream_t stream) {
   if (a.rows == 0) return;
   if (a.bias)
@@ -470,8 +466,9 @@ void launch_pair_math(const PairParams& p, std::int64_t pair_begin, std::int64_t
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
-void launch_dz(const LogitRows& a, const CoefficientParams& c, const float* row_max, const float* lse,
-               const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t stream) {
+template <class T>
+void launch_dz(const LogitRowsOf<T>& a, const CoefficientParams& c, const float* row_max, const float* lse,
+               const float* z_target, T* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t stream) {
   if (a.rows == 0) return;
   if (a.bias)
     dz_kernel<true><<<grid_rows(a.rows), kRowThreads, 0, stream>>>(a, c, row_max, lse, z_target, dz, ld_dz,
@@ -505,9 +502,10 @@ void launch_row_coefficients(std::int64_t N, const std::int64_t* target, std::in
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
+template <class T>
 void launch_grad_x_finish(const float* part, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
-                          std::int64_t ld_h, const __nv_bfloat16* weight, const std::int64_t* target,
-                          const float* target_coef, __nv_bfloat16* out, cudaStream_t stream) {
+                          std::int64_t ld_h, const T* weight, const std::int64_t* target, const float* target_coef,
+                          T* out, cudaStream_t stream) {
   if (rows == 0) return;
   if (H % 8 == 0)  // then every output row starts 16-byte aligned
     grad_x_finish_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(part, row_begin, H, ld_h, weight,
@@ -528,7 +526,8 @@ void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
-void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
+template <class T>
+void launch_bias_column_sums(const T* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
                              std::int64_t column_begin, const std::int64_t* target, const float* target_coef,
                              float* grad_bias, cudaStream_t stream) {
   if (rows.rows[0] + rows.rows[1] == 0 || V == 0) return;
@@ -537,17 +536,19 @@ void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, const 
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
-void launch_round_to_bf16(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols,
-                          __nv_bfloat16* out, cudaStream_t stream) {
+template <class T>
+void launch_round_to(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols, T* out,
+                     cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   if (cols % 8 == 0)
-    round_to_bf16_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
+    round_to_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
   else
-    round_to_bf16_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
+    round_to_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
-void launch_target_rows(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows& rows,
+template <class T>
+void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const ChunkRows& rows,
                         const std::int64_t* target, const float* target_coef, const TargetRowsSink& sink,
                         cudaStream_t stream) {
   const std::int64_t n = rows.rows[0] + rows.rows[1];
@@ -565,5 +566,21 @@ void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_en
   hilo_tail_kernel<<<grid, kRowThreads, 0, stream>>>(rows, v_begin, H, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
+
+#define SIMPO_ROW_KERNELS_FOR(T)                                                                                   \
+  template void launch_row_stats<T>(const LogitRowsOf<T>&, float*, float*, float*, double*, cudaStream_t);           \
+  template void launch_dz<T>(const LogitRowsOf<T>&, const CoefficientParams&, const float*, const float*,            \
+                             const float*, T*, std::int64_t, float*, cudaStream_t);                                  \
+  template void launch_grad_x_finish<T>(const float*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,        \
+                                        const T*, const std::int64_t*, const float*, T*, cudaStream_t);              \
+  template void launch_bias_column_sums<T>(const T*, std::int64_t, const ChunkRows&, std::int64_t, std::int64_t,     \
+                                           const std::int64_t*, const float*, float*, cudaStream_t);                 \
+  template void launch_target_rows<T>(const T*, std::int64_t, std::int64_t, const ChunkRows&, const std::int64_t*,   \
+                                      const float*, const TargetRowsSink&, cudaStream_t);                            \
+  template void launch_round_to<T>(const float*, std::int64_t, std::int64_t, std::int64_t, T*, cudaStream_t);
+SIMPO_ROW_KERNELS_FOR(__nv_bfloat16)
+SIMPO_ROW_KERNELS_FOR(__half)
+SIMPO_ROW_KERNELS_FOR(float)
+#undef SIMPO_ROW_KERNELS_FOR
 
 }  // namespace simpo::fused::cuda

@@ -2,9 +2,14 @@
 // consecutive token rows starting at global row `row_begin`, whose fp32 logits sit in a [rows, ld_logits]
 // buffer. Per-row results go to [N] arrays indexed by global row, per-sequence ones to [B] arrays, so the
 // three_pass and two_pass schedules share every kernel. All launches are asynchronous on `stream`.
+//
+// T, where a kernel takes one, is the inputs' element type (__nv_bfloat16, __half or float): the bias, x and W it
+// reads and the dz and outputs it writes are in it (dz in the inputs' dtype: what the GEMMs take). The kernels that
+// only the sm_90 bf16 path runs (logit distances, the hi/lo pair, the low-memory schedule) take bf16.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -12,13 +17,14 @@
 namespace simpo::fused::cuda {
 
 // Where a chunk part's logits are and how to read its rows.
-struct LogitRows {
+template <class T>
+struct LogitRowsOf {
   const float* logits;        // [rows, ld_logits], ld_logits a multiple of 8 (16-byte aligned rows)
   std::int64_t ld_logits;
   std::int64_t rows;
   std::int64_t row_begin;     // global row of logits row 0
   std::int64_t V;
-  const __nv_bfloat16* bias;  // [V] or nullptr; added to every logit as it is read
+  const T* bias;              // [V] or nullptr; added to every logit as it is read
   const std::int64_t* target; // [N] (global rows)
   std::int64_t ignore_index;
   // Vocabulary column of the buffer's column 0 (dz_kernel over a slice of the vocabulary, the low-memory
@@ -26,11 +32,13 @@ struct LogitRows {
   // kernels read whole rows: 0.
   std::int64_t column_begin = 0;
 };
+using LogitRows = LogitRowsOf<__nv_bfloat16>;
 
 // Pass 1, for the part's rows: row_max[r]; lse[r] and z_target[r] relative to it (lse = log sum exp(z - max),
 // z_target = z_t - max, 0 on ignored rows; fused/forward_outputs.h's RowStats convention); rowsum[r] = sum_v z
 // in double.
-void launch_row_stats(const LogitRows&, float* row_max, float* lse, float* z_target, double* rowsum, cudaStream_t);
+template <class T>
+void launch_row_stats(const LogitRowsOf<T>&, float* row_max, float* lse, float* z_target, double* rowsum, cudaStream_t);
 
 // Pass 1 with the statistics from the logits GEMM's epilogue (promoted_stats.h): for the part's rows, folds the
 // per-tile partials tile_max / tile_sum_exp / tile_sum ([tiles, ld], the part's row i at column i) and the raw
@@ -60,10 +68,10 @@ void launch_pair_math(const PairParams&, std::int64_t pair_begin, std::int64_t p
                       const float* lse, const float* z_target, const std::int64_t* completion_tokens,
                       double* avg_grad, cudaStream_t);
 
-// Pass 2: dz rows. D[r, v] = bf16(-k softmax_v) off the target column, 0 at it and in the padding columns
+// Pass 2: dz rows. D[r, v] = T(-k softmax_v) off the target column, 0 at it and in the padding columns
 // [V, min(ld_dz, V rounded up to 8)); target_coef[r] = k (1 - p_target) in fp32, applied outside the GEMMs. k from
-// row_coefficient. dz may be the logits buffer itself (in place: dz == (bf16*) logits, ld_dz = 2 ld_logits, each
-// row's bf16 dz over the first half of its fp32 logits bytes); any other overlap is not allowed.
+// row_coefficient. dz may be the logits buffer itself (in place: dz == (T*) logits, ld_dz = ld_logits * 4 /
+// sizeof(T), each row's dz over the start of its fp32 logits bytes); any other overlap is not allowed.
 struct CoefficientParams {
   std::int64_t T, P;
   double grad_scale;
@@ -71,8 +79,9 @@ struct CoefficientParams {
   const double* avg_grad;                 // [B]
   const std::int64_t* completion_tokens;  // [B]
 };
-void launch_dz(const LogitRows&, const CoefficientParams&, const float* row_max, const float* lse,
-               const float* z_target, __nv_bfloat16* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t);
+template <class T>
+void launch_dz(const LogitRowsOf<T>&, const CoefficientParams&, const float* row_max, const float* lse,
+               const float* z_target, T* dz, std::int64_t ld_dz, float* target_coef, cudaStream_t);
 // Pass 2 from the logit distances (promoted_stats.h: promoted_logits_distances) instead of fp32 logits: the same
 // dz and target_coef as launch_dz, with each logit read back as its tile's max minus q 2^-11. V a multiple of 8
 // (so no padding columns). dz may be the distances buffer itself with ld_dz = ld (in place: each thread reads its
@@ -98,11 +107,12 @@ void launch_row_coefficients(std::int64_t N, const std::int64_t* target, std::in
                              const CoefficientParams&, const float* lse, const float* z_target, float* k,
                              float* target_coef, cudaStream_t);
 
-// grad_x rows = bf16(GEMM result + target_coef[r] * W[target[r]]): the exact target term added in fp32, then
-// one rounding. grad_x_part is [rows, ld_h] fp32; grad_x_out the [N, H] bf16 output.
+// grad_x rows = T(GEMM result + target_coef[r] * W[target[r]]): the exact target term added in fp32, then
+// one rounding. grad_x_part is [rows, ld_h] fp32; grad_x_out the [N, H] output.
+template <class T>
 void launch_grad_x_finish(const float* grad_x_part, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
-                          std::int64_t ld_h, const __nv_bfloat16* weight, const std::int64_t* target,
-                          const float* target_coef, __nv_bfloat16* grad_x_out, cudaStream_t);
+                          std::int64_t ld_h, const T* weight, const std::int64_t* target, const float* target_coef,
+                          T* grad_x_out, cudaStream_t);
 
 // The target term of the weight and bias gradients: grad_weight[target[r]] += c[r] x[r], grad_bias[target[r]]
 // += c[r] (grad_weight and grad_bias may each be null), fp32 atomics (rows sharing a target add into one row).
@@ -120,10 +130,11 @@ struct ChunkRows {
   std::int64_t rows[2] = {0, 0};
 };
 // grad_bias[v] += sum over the chunk's rows of D[r, v] + target_coef[r] where target[r] = column_begin + v (fp32
-// sums of the bf16 values the GEMMs also use, and the target terms), each column's rows in chunk order: the same
+// sums of the dz values the GEMMs also use, and the target terms), each column's rows in chunk order: the same
 // bits on every run. dz is [rows, ld_dz] in chunk order; its V columns are vocabulary columns from column_begin.
 // target null: the column sums alone (the caller adds the target terms).
-void launch_bias_column_sums(const __nv_bfloat16* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
+template <class T>
+void launch_bias_column_sums(const T* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
                              std::int64_t column_begin, const std::int64_t* target, const float* target_coef,
                              float* grad_bias, cudaStream_t);
 
@@ -137,7 +148,9 @@ struct TargetRowsSink {
 // The target term grad_W[target[r]] += c[r] x[r] over the chunk's rows, summed per target in fp32 in chunk order
 // and added into the sink once per target (deterministic, no atomics). The bias's target term is
 // launch_bias_column_sums'.
-void launch_target_rows(const __nv_bfloat16* x, std::int64_t ld_x, std::int64_t H, const ChunkRows&,
+// The hi/lo sink is for bf16 inputs only.
+template <class T>
+void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const ChunkRows&,
                         const std::int64_t* target, const float* target_coef, const TargetRowsSink&, cudaStream_t);
 
 // hi/lo rows [v_begin, v_end) (+)= dz[rows, v]^T x[rows, H] in fp32 (overwrite: the first term): the last V % 8
@@ -146,8 +159,8 @@ void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_en
                       const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
                       __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t);
 
-// out[r, c] = bf16(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] bf16 one.
-void launch_round_to_bf16(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols,
-                          __nv_bfloat16* out, cudaStream_t);
+// out[r, c] = T(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] one (T = float: a copy).
+template <class T>
+void launch_round_to(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols, T* out, cudaStream_t);
 
 }  // namespace simpo::fused::cuda

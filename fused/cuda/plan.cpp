@@ -27,7 +27,8 @@ constexpr std::int64_t kStoredForwardRows = 2048;
 
 // The fixed part of Layout (everything but the chunk buffers) and the bytes per chunk row. `tiles` > 0 when the
 // statistics come from the GEMM's epilogue; `logit_bytes` 2 for distances, 4 for fp32 logits.
-Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::int64_t tiles, std::int64_t logit_bytes) {
+Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::int64_t tiles, std::int64_t logit_bytes,
+                    std::int64_t element_bytes) {
   Layout l;
   const std::int64_t N = s.N(), B = s.B, ld_v = padded(s.V), ld_h = padded(s.H);
   std::int64_t at = 0;
@@ -50,12 +51,12 @@ Layout fixed_layout(const Shape& s, std::int64_t budget, bool gradients, std::in
   // The forward with epilogue statistics keeps no logits: 16 bytes of tile partials per row and tile.
   const bool keeps_logits = gradients || tiles == 0;
   l.per_row = (keeps_logits ? ld_v * logit_bytes : 0) +
-              (gradients ? std::max(ld_h * 4, tiles * 12) + ld_h * 2 + tiles * 4 : tiles * 16);
+              (gradients ? std::max(ld_h * 4, tiles * 12) + ld_h * element_bytes + tiles * 4 : tiles * 16);
   return l;
 }
 
 void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool gradients, std::int64_t tiles,
-                         std::int64_t logit_bytes) {
+                         std::int64_t logit_bytes, std::int64_t element_bytes) {
   const std::int64_t ld_v = padded(s.V), ld_h = padded(s.H);
   const bool keeps_logits = gradients || tiles == 0;
   const std::int64_t sum_exp_bytes = align_up(tiles * rows * 4), sum_bytes = align_up(tiles * rows * 8);
@@ -70,7 +71,7 @@ void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool grad
     at += std::max(align_up(rows * ld_h * 4), sum_exp_bytes + sum_bytes);
   }
   l.x_rows = at;
-  at += align_up(gradients ? rows * ld_h * 2 : 0);
+  at += align_up(gradients ? rows * ld_h * element_bytes : 0);
   l.tile_max = at;
   at += align_up(tiles * rows * 4);
   if (!gradients) {
@@ -156,10 +157,11 @@ std::string StepPlan::to_string() const {
          std::to_string(row_blocks) + " row block(s) of <= " + std::to_string(block_rows) + " rows";
 }
 
-LogitsGemm logits_gemm(std::int64_t H, const Options& options, const DeviceFeatures& device, const Tuning& tuning) {
+LogitsGemm logits_gemm(std::int64_t H, DType input, const Options& options, const DeviceFeatures& device,
+                       const Tuning& tuning) {
   LogitsGemm g;
-  const std::int64_t slice = options.logits_k_slice;
-  if (slice > 0 && device.sm90_kernels && !tuning.cublas_logits) {
+  const std::int64_t slice = input == DType::F32 ? 0 : options.logits_k_slice;
+  if (slice > 0 && device.sm90_kernels && input == DType::BF16 && !tuning.cublas_logits) {
     g.promoted = true;
     g.promotion_k = std::max(promotion_k_granule, slice / promotion_k_granule * promotion_k_granule);
     g.k_splits = static_cast<int>((padded(H) + g.promotion_k - 1) / g.promotion_k);
@@ -169,21 +171,23 @@ LogitsGemm logits_gemm(std::int64_t H, const Options& options, const DeviceFeatu
   return g;
 }
 
-StepPlan plan_step(const Shape& s, const Options& options, const DeviceFeatures& device,
+StepPlan plan_step(const Shape& s, DType input, const Options& options, const DeviceFeatures& features,
                    const GradientOutputs* outputs, const Tuning& tuning) {
   StepPlan plan;
+  const DeviceFeatures device = input == DType::BF16 ? features : DeviceFeatures{};  // the sm_90a kernels take bf16
+  const std::int64_t element = input == DType::F32 ? 4 : 2;
   const bool gradients = outputs != nullptr;
   plan.gradients = gradients;
   const std::int64_t N = s.N(), T = s.T, V = s.V, H = s.H, ld_h = padded(H);
   const std::int64_t budget = std::max<std::int64_t>(options.workspace_bytes, 0), tiles = statistics_tiles(V);
 
-  plan.logits = logits_gemm(H, options, device, tuning);
+  plan.logits = logits_gemm(H, input, options, device, tuning);
   const bool promoted = plan.logits.promoted;
   const bool statistics_in_epilogue = promoted && V % 4 == 0;  // the fp32 TMA store's unit
   const bool distances = gradients && options.logit_distances && statistics_in_epilogue && V % 8 == 0;
 
   auto layout_for = [&](bool epilogue, bool with_distances) {
-    return fixed_layout(s, budget, gradients, epilogue ? tiles : 0, with_distances ? 2 : 4);
+    return fixed_layout(s, budget, gradients, epilogue ? tiles : 0, with_distances ? 2 : 4, element);
   };
   auto rows_fitting = [&](const Layout& l) { return budget > l.fixed ? (budget - l.fixed) / l.per_row : 0; };
 
@@ -192,7 +196,7 @@ StepPlan plan_step(const Shape& s, const Options& options, const DeviceFeatures&
       gradients && statistics_in_epilogue && tuning.low_memory != Tuning::LowMemory::never &&
       (tuning.low_memory == Tuning::LowMemory::always || rows_fitting(layout_for(distances, distances)) < 2 * T);
   if (low_memory_possible) {
-    const Layout fixed = fixed_layout(s, budget, /*gradients=*/true, tiles, 4);
+    const Layout fixed = fixed_layout(s, budget, /*gradients=*/true, tiles, 4, element);
     const bool dz_in_epilogue = V % 8 == 0;  // its bf16 TMA store takes groups of 8 columns
     std::int64_t total = 0;
     const SlicedLayout sliced =
@@ -237,7 +241,7 @@ StepPlan plan_step(const Shape& s, const Options& options, const DeviceFeatures&
   Layout layout = layout_for(plan.epilogue_statistics, distances);
 
   if (gradients) {
-    if (!outputs->grad_weight_bf16) {
+    if (!outputs->grad_weight_16bit) {
       plan.grad_weight = StepPlan::GradWeight::f32_output;
     } else if (device.sm90_kernels && H % 8 == 0) {  // the hi/lo GEMM's TMA rows of hi are the output's H columns
       plan.grad_weight = StepPlan::GradWeight::hilo;
@@ -265,7 +269,7 @@ StepPlan plan_step(const Shape& s, const Options& options, const DeviceFeatures&
   plan.schedule = plan_rows(s, rows_that_fit, plan_options);
   plan.schedule.bytes_per_row = layout.per_row;
   place_chunk_buffers(layout, s, plan.schedule.max_rows(), gradients, plan.epilogue_statistics ? tiles : 0,
-                      distances ? 2 : 4);
+                      distances ? 2 : 4, element);
   plan.layout = layout;
   plan.workspace_bytes = layout.total;
   plan.regions = fixed_regions(s, layout);
@@ -277,7 +281,7 @@ StepPlan plan_step(const Shape& s, const Options& options, const DeviceFeatures&
   if (gradients) {
     plan.regions.push_back({"grad_x rows (tile partials but the max before it)", layout.grad_x,
                             std::max(rows * ld_h * 4, tiles_kept * rows * 12)});
-    plan.regions.push_back({"gathered x rows", layout.x_rows, rows * ld_h * 2});
+    plan.regions.push_back({"gathered x rows", layout.x_rows, rows * ld_h * element});
     plan.regions.push_back({"tile max", layout.tile_max, tiles_kept * rows * 4});
   } else {
     plan.regions.push_back({"tile max", layout.tile_max, tiles_kept * rows * 4});

@@ -84,20 +84,21 @@ struct SlicedLayout {
   bool fits() const { return stat_rows > 0 && block_rows > 0 && slice_columns > 0; }
 };
 
-// How the logits GEMM runs: the promoted GEMM wherever it can (sm90_kernels, Options::logits_k_slice > 0), its
-// last V % 4 columns through cuBLAS cut into k_splits slices; elsewhere cuBLAS cut into k_splits slices of
-// logits_k_slice (one GEMM over all k for logits_k_slice = 0). The vocabulary-parallel ranks make the same choice.
+// How the logits GEMM runs: for bf16 inputs the promoted GEMM wherever it can (sm90_kernels,
+// Options::logits_k_slice > 0), its last V % 4 columns through cuBLAS cut into k_splits slices; elsewhere, and for
+// f16, cuBLAS cut into k_splits slices of logits_k_slice (one GEMM over all k for logits_k_slice = 0); f32 one fp32
+// GEMM (no tensor cores, so no truncated accumulation to cut). The vocabulary-parallel ranks make the same choice.
 struct LogitsGemm {
   bool promoted = false;
   std::int64_t promotion_k = 0;  // promoted: k per promotion, a multiple of promotion_k_granule
   int k_splits = 1;
 };
-LogitsGemm logits_gemm(std::int64_t H, const Options&, const DeviceFeatures&, const Tuning& = {});
+LogitsGemm logits_gemm(std::int64_t H, DType input, const Options&, const DeviceFeatures&, const Tuning& = {});
 
 // The gradient outputs a caller gives the runner (device_fused.h, DeviceGradients).
 struct GradientOutputs {
   bool grad_weight_f32 = false;   // an fp32 [V, ld_h] grad_weight (the output, or a buffer to accumulate in)
-  bool grad_weight_bf16 = false;  // a bf16 [V, H] grad_weight output
+  bool grad_weight_16bit = false;  // a [V, H] grad_weight output in the inputs' 16-bit dtype (bf16 or f16)
 };
 
 // A named piece of the workspace: [offset, offset + bytes), which may overlap the region named `shares_with`
@@ -137,9 +138,11 @@ struct StepPlan {
   std::string to_string() const;  // the schedule and its forms, for logs, reports and errors
 };
 
-// The plan for a step over `shape` (gradients: the outputs given, nullptr: forward only). Throws InputError when
+// The plan for a step over `shape` with inputs of dtype `input` (gradients: the outputs given, nullptr: forward
+// only). The sm_90a kernels take bf16: f16 and f32 inputs get the plan of a device without them, with the x rows,
+// dz and outputs in their dtype (f32: dz fp32 over its fp32 logits, element for element). Throws InputError when
 // options.workspace_bytes cannot hold one token row (naming the bytes), or for a negative max_chunk_rows.
-StepPlan plan_step(const Shape&, const Options&, const DeviceFeatures&, const GradientOutputs* gradients,
+StepPlan plan_step(const Shape&, DType input, const Options&, const DeviceFeatures&, const GradientOutputs* gradients,
                    const Tuning& = {});
 
 }  // namespace simpo::fused::cuda

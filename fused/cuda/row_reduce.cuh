@@ -7,6 +7,7 @@
 #include "fused/simpo_math.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -17,30 +18,41 @@ namespace m = ::simpo::fused::math;
 inline constexpr int kRowThreads = 256;  // one block per token row; 8 warps keep ~16 KB of loads in flight per row
 inline constexpr int kWarps = kRowThreads / 32;
 
-// Eight fp32 logits (two 16-byte loads) plus, with a bias, eight bf16 biases (one 16-byte load).
-template <bool kBias>
-__device__ inline void load8(const float* row, const __nv_bfloat16* bias, std::int64_t v, float z[8]) {
-  const float4 lo = *reinterpret_cast<const float4*>(row + v);
-  const float4 hi = *reinterpret_cast<const float4*>(row + v + 4);
+// The inputs' element types (bf16, f16, f32) to and from fp32, one element or eight consecutive ones (16-byte
+// accesses: the pointer 16-byte aligned).
+__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float to_float(__half v) { return __half2float(v); }
+__device__ inline float to_float(float v) { return v; }
+template <class T> __device__ inline T from_float(float v);
+template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ inline __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ inline float from_float<float>(float v) { return v; }
+
+__device__ inline void load8(const float* p, float z[8]) {
+  const float4 lo = *reinterpret_cast<const float4*>(p);
+  const float4 hi = *reinterpret_cast<const float4*>(p + 4);
   z[0] = lo.x; z[1] = lo.y; z[2] = lo.z; z[3] = lo.w;
   z[4] = hi.x; z[5] = hi.y; z[6] = hi.z; z[7] = hi.w;
-  if constexpr (kBias) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(bias + v);
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+}
+__device__ inline void load8(const __nv_bfloat16* p, float z[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 b = __bfloat1622float2(pairs[i]);
-      z[2 * i] += b.x;
-      z[2 * i + 1] += b.y;
-    }
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    z[2 * i] = f.x;
+    z[2 * i + 1] = f.y;
   }
 }
-
-template <bool kBias>
-__device__ inline float load1(const float* row, const __nv_bfloat16* bias, std::int64_t v) {
-  float z = row[v];
-  if constexpr (kBias) z += __bfloat162float(bias[v]);
-  return z;
+__device__ inline void load8(const __half* p, float z[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const auto* pairs = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(pairs[i]);
+    z[2 * i] = f.x;
+    z[2 * i + 1] = f.y;
+  }
 }
 
 __device__ inline void store8(__nv_bfloat16* out, const float v[8]) {
@@ -49,6 +61,36 @@ __device__ inline void store8(__nv_bfloat16* out, const float v[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
   *reinterpret_cast<uint4*>(out) = raw;
+}
+__device__ inline void store8(__half* out, const float v[8]) {
+  uint4 raw;
+  auto* pairs = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(out) = raw;
+}
+__device__ inline void store8(float* out, const float v[8]) {
+  *reinterpret_cast<float4*>(out) = make_float4(v[0], v[1], v[2], v[3]);
+  *reinterpret_cast<float4*>(out + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// Eight fp32 logits plus, with a bias (the inputs' dtype), eight biases.
+template <bool kBias, class B>
+__device__ inline void load8(const float* row, const B* bias, std::int64_t v, float z[8]) {
+  load8(row + v, z);
+  if constexpr (kBias) {
+    float b[8];
+    load8(bias + v, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) z[i] += b[i];
+  }
+}
+
+template <bool kBias, class B>
+__device__ inline float load1(const float* row, const B* bias, std::int64_t v) {
+  float z = row[v];
+  if constexpr (kBias) z += to_float(bias[v]);
+  return z;
 }
 
 __device__ inline m::LogSumExp<float> warp_merge(m::LogSumExp<float> s) {
@@ -88,8 +130,8 @@ struct RowReduction {
 // One row of V fp32 logits (+ bias), read once by the block's kRowThreads threads: each folds its columns into
 // an online (max, sum of exp) state and a double sum, warps merge by shuffles, the block through shared
 // memory. Valid in thread 0; called once per kernel (its shared arrays have no barrier after the read).
-template <bool kBias>
-__device__ inline RowReduction reduce_row(const float* row, const __nv_bfloat16* bias, std::int64_t V) {
+template <bool kBias, class B>
+__device__ inline RowReduction reduce_row(const float* row, const B* bias, std::int64_t V) {
   const std::int64_t V8 = V / 8 * 8;
   m::LogSumExp<float> state = m::lse_empty<float>();
   double sum = 0;

@@ -13,7 +13,7 @@ namespace {
 
 const Shape published{.B = 16, .T = 1024, .H = 4096, .V = 128256};
 const DeviceFeatures hopper{.sm90_kernels = true}, other{.sm90_kernels = false};
-const GradientOutputs bf16_output{.grad_weight_bf16 = true}, f32_output{.grad_weight_f32 = true};
+const GradientOutputs bf16_output{.grad_weight_16bit = true}, f32_output{.grad_weight_f32 = true};
 
 // Every region inside the workspace, and no byte in two regions unless one says it shares the other's bytes.
 void expect_regions_disjoint(const StepPlan& plan) {
@@ -42,7 +42,7 @@ void expect_rows_covered(const StepPlan& plan, const Shape& s) {
 }
 
 TEST(CudaPlan, PublishedStepOnHopper) {
-  const StepPlan plan = plan_step(published, Options{}, hopper, &bf16_output);
+  const StepPlan plan = plan_step(published, DType::BF16, Options{}, hopper, &bf16_output);
   EXPECT_TRUE(plan.logits.promoted);
   EXPECT_EQ(plan.logits.promotion_k, 256);
   EXPECT_EQ(plan.schedule.mode, Mode::three_pass);
@@ -57,7 +57,7 @@ TEST(CudaPlan, PublishedStepOnHopper) {
 TEST(CudaPlan, ForwardTakesItsStatisticsFromTheEpilogueInL2SizedChunks) {
   Options forward;
   forward.gradients = false;
-  const StepPlan plan = plan_step(published, forward, hopper, nullptr);
+  const StepPlan plan = plan_step(published, DType::BF16, forward, hopper, nullptr);
   EXPECT_EQ(plan.schedule.mode, Mode::forward_only);
   EXPECT_TRUE(plan.epilogue_statistics);
   EXPECT_EQ(plan.kept, StepPlan::Kept::none);
@@ -67,7 +67,7 @@ TEST(CudaPlan, ForwardTakesItsStatisticsFromTheEpilogueInL2SizedChunks) {
 }
 
 TEST(CudaPlan, WithoutTheSm90KernelsCublasSlicesAndAnFp32Accumulator) {
-  const StepPlan plan = plan_step(published, Options{}, other, &bf16_output);
+  const StepPlan plan = plan_step(published, DType::BF16, Options{}, other, &bf16_output);
   EXPECT_FALSE(plan.logits.promoted);
   EXPECT_EQ(plan.logits.k_splits, 16) << "k = 4096 in slices of 256";
   EXPECT_FALSE(plan.epilogue_statistics);
@@ -76,28 +76,28 @@ TEST(CudaPlan, WithoutTheSm90KernelsCublasSlicesAndAnFp32Accumulator) {
   EXPECT_EQ(plan.accumulator_bytes, published.V * published.H * 4);
   Options one_gemm;
   one_gemm.logits_k_slice = 0;
-  EXPECT_EQ(logits_gemm(published.H, one_gemm, hopper).k_splits, 1);
-  EXPECT_FALSE(logits_gemm(published.H, one_gemm, hopper).promoted) << "logits_k_slice = 0: one cuBLAS GEMM anywhere";
+  EXPECT_EQ(logits_gemm(published.H, DType::BF16, one_gemm, hopper).k_splits, 1);
+  EXPECT_FALSE(logits_gemm(published.H, DType::BF16, one_gemm, hopper).promoted) << "logits_k_slice = 0: one cuBLAS GEMM anywhere";
 }
 
 TEST(CudaPlan, DistancesKeepTwoBytesPerLogitWhereVIsAMultipleOf8) {
   Options distances;
   distances.logit_distances = true;
-  const StepPlan plan = plan_step(published, distances, hopper, &bf16_output);
+  const StepPlan plan = plan_step(published, DType::BF16, distances, hopper, &bf16_output);
   EXPECT_EQ(plan.kept, StepPlan::Kept::distances);
   EXPECT_TRUE(plan.epilogue_statistics);
   const std::int64_t tiles = statistics_tiles(published.V), ld_h = padded(published.H);
   EXPECT_EQ(plan.schedule.bytes_per_row, published.V * 2 + std::max(ld_h * 4, tiles * 12) + ld_h * 2 + tiles * 4);
   const Shape odd{.B = 4, .T = 64, .H = 96, .V = 300};  // V % 8 != 0: fp32 logits
-  EXPECT_EQ(plan_step(odd, distances, hopper, &bf16_output).kept, StepPlan::Kept::fp32);
-  EXPECT_EQ(plan_step(published, distances, other, &bf16_output).kept, StepPlan::Kept::fp32);
+  EXPECT_EQ(plan_step(odd, DType::BF16, distances, hopper, &bf16_output).kept, StepPlan::Kept::fp32);
+  EXPECT_EQ(plan_step(published, DType::BF16, distances, other, &bf16_output).kept, StepPlan::Kept::fp32);
 }
 
 TEST(CudaPlan, SixtyFourMiBTakesTheLowMemorySchedule) {
   Options small;
   small.workspace_bytes = min_workspace_bytes;
   for (const GradientOutputs* outputs : {&bf16_output, &f32_output}) {
-    const StepPlan plan = plan_step(published, small, hopper, outputs);
+    const StepPlan plan = plan_step(published, DType::BF16, small, hopper, outputs);
     SCOPED_TRACE(plan.to_string());
     EXPECT_TRUE(plan.low_memory);
     EXPECT_EQ(plan.grad_weight, StepPlan::GradWeight::sliced);
@@ -107,7 +107,7 @@ TEST(CudaPlan, SixtyFourMiBTakesTheLowMemorySchedule) {
     expect_regions_disjoint(plan);
   }
   // Without the epilogue statistics: the two_pass fallback.
-  const StepPlan fallback = plan_step(published, small, other, &bf16_output);
+  const StepPlan fallback = plan_step(published, DType::BF16, small, other, &bf16_output);
   EXPECT_FALSE(fallback.low_memory);
   EXPECT_EQ(fallback.schedule.mode, Mode::two_pass);
 }
@@ -116,7 +116,7 @@ TEST(CudaPlan, ABudgetBelowOneRowIsAnInputErrorNamingTheBytes) {
   Options tiny;
   tiny.workspace_bytes = 1 << 20;
   try {
-    plan_step(published, tiny, other, &bf16_output);
+    plan_step(published, DType::BF16, tiny, other, &bf16_output);
     FAIL() << "planned in 1 MiB";
   } catch (const InputError& e) {
     const std::string message = e.what();
@@ -141,7 +141,7 @@ TEST(CudaPlan, EveryPlanFitsItsBudgetAndHoldsEachRegionOnce) {
             options.logit_distances = distances;
             StepPlan plan;
             try {
-              plan = plan_step(s, options, device, outputs);
+              plan = plan_step(s, DType::BF16, options, device, outputs);
             } catch (const InputError&) {
               continue;  // a budget below one row (the test above checks the message)
             }

@@ -103,7 +103,7 @@ class Step {
         options_(options),
         shape_(problem.shape),
         targets_(read_targets(problem)),
-        logits_gemm_(cuda::logits_gemm(problem.shape.H, options, cuda::device_features())),
+        logits_gemm_(cuda::logits_gemm(problem.shape.H, DType::BF16, options, cuda::device_features())),
         collectives_(collectives),
         ld_h_(padded(problem.shape.H)),
         gradients_(options.gradients) {
@@ -209,9 +209,9 @@ class Step {
     for (auto& r : ranks_) {
       r->use();
       if (gradients_ && r->grad_weight_bf16.get())
-        cuda::launch_round_to_bf16(r->grad_weight.as<float>(), ld_h_, r->shard.size(), H, r->grad_weight_bf16.as<__nv_bfloat16>(), r->stream);
+        cuda::launch_round_to(r->grad_weight.as<float>(), ld_h_, r->shard.size(), H, r->grad_weight_bf16.as<__nv_bfloat16>(), r->stream);
       if (gradients_ && r->grad_bias_bf16.get())
-        cuda::launch_round_to_bf16(r->grad_bias.as<float>(), r->shard.size(), 1, r->shard.size(), r->grad_bias_bf16.as<__nv_bfloat16>(), r->stream);
+        cuda::launch_round_to(r->grad_bias.as<float>(), r->shard.size(), 1, r->shard.size(), r->grad_bias_bf16.as<__nv_bfloat16>(), r->stream);
       RowStats s(N);
       SIMPO_CUDA_CHECK(cudaMemcpyAsync(s.lse.data(), r->lse.get(), N * 4, cudaMemcpyDeviceToHost, r->stream));
       SIMPO_CUDA_CHECK(cudaMemcpyAsync(s.z_target.data(), r->z_target.get(), N * 4, cudaMemcpyDeviceToHost, r->stream));
@@ -404,7 +404,7 @@ class Step {
       std::int64_t offset = 0;
       for (int i = 0; i < c.part_count; ++i) {
         const RowRange& part = c.parts[i];
-        cuda::launch_round_to_bf16(r.grad_x_part.as<float>() + offset * ld_h_, ld_h_, part.rows(), H,
+        cuda::launch_round_to(r.grad_x_part.as<float>() + offset * ld_h_, ld_h_, part.rows(), H,
                                    r.grad_x.as<__nv_bfloat16>() + part.begin * H, r.stream);
         offset += part.rows();
       }

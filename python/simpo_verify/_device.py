@@ -19,16 +19,22 @@ def _shape_error(a_name, a, b_name, b, what):
         f"shapes disagree: {a_name} {list(a.shape)} and {b_name} {list(b.shape)} ({what})")
 
 
+def _dtype_name(t):
+    """SPEC's name of a torch input dtype ("bf16", "f16", "f32"), or None."""
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}.get(t.dtype)
+
+
 def check_tensors(x, weight, target, bias):
     """SPEC's dtypes and shapes for torch tensors, with the C++ layer's wording; returns (B, T, H, V)."""
     import torch
 
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != torch.bfloat16:
-            raise InputError(
-                f"{name} is {t.dtype}: the cuda backend takes bfloat16 device tensors (float16 and float32 inputs run "
-                f"on the host, impl 'cpu' or 'reference'); converting would change the problem (the result would be "
-                f"judged against the rounded inputs)")
+    if _dtype_name(x) is None:
+        raise InputError(f"x is {x.dtype}: SPEC's input dtypes are bfloat16, float16 and float32")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise InputError(f"{name} is {t.dtype} and x is {x.dtype}: SPEC takes one dtype for x, weight and bias")
     if target.dtype.is_floating_point or target.dtype == torch.bool:
         raise InputError(f"target is {target.dtype}, SPEC says int64")
     if x.dim() != 3:
@@ -64,17 +70,18 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_f32=False, va
     x, weight = x.detach().contiguous(), weight.detach().contiguous()
     target = target.detach().to(torch.int64).contiguous()
     bias = bias.detach().contiguous() if bias is not None else None
-    gdtype = torch.float32 if grad_f32 else torch.bfloat16
+    # SPEC: gradients in the inputs' dtype; grad_weight and grad_bias in float32 when asked for.
+    gdtype = torch.float32 if grad_f32 else x.dtype
     grad_x = grad_w = grad_b = None
     if gradients:
-        grad_x = torch.empty((B, T, H), dtype=torch.bfloat16, device=dev)
+        grad_x = torch.empty((B, T, H), dtype=x.dtype, device=dev)
         grad_w = torch.empty((V, H), dtype=gdtype, device=dev)
         grad_b = torch.empty((V,), dtype=gdtype, device=dev) if bias is not None else None
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
         r = _core.compute_device({
-            "B": B, "T": T, "H": H, "V": V, "device": dev.index if dev.index is not None else torch.cuda.current_device(),
+            "B": B, "T": T, "H": H, "V": V, "dtype": _dtype_name(x), "device": dev.index if dev.index is not None else torch.cuda.current_device(),
             "stream": stream, "x": ptr(x), "weight": ptr(weight), "bias": ptr(bias), "target": ptr(target),
             "grad_x": ptr(grad_x), "grad_weight": ptr(grad_w), "grad_bias": ptr(grad_b), "metadata": meta,
             "gradients": gradients, "grad_f32": grad_f32, "validate": validate,

@@ -14,11 +14,11 @@ grad_scale: for grad_output == 1 (loss.backward()) the saved gradients are retur
 grad_output reruns the kernel with grad_scale = grad_output, so the result is SPEC's for that scale and never a
 bf16 gradient rounded a second time.
 
-Dtype policy: x, weight and bias must be torch.bfloat16: anything else (float32 in particular) is a TypeError
-naming the dtype, never converted, because rounding float32 inputs to bf16 changes the problem and the result
-would not be the float32 function's within any bar. target may be any integer dtype (widened to int64, exact).
-Gradients are bf16 (SPEC's fused outputs); the loss and auxiliary outputs are float32 tensors on the inputs'
-device. Invalid inputs (SPEC's edge-case table: an empty sequence, a target out of range, NaN inputs, ...)
+Dtype policy: x, weight and bias share one dtype, torch.bfloat16, torch.float16 or torch.float32 (SPEC's input
+dtypes), computed in that dtype, never converted: bf16 on the sm_90a kernels, f16 on the tensor cores through
+cuBLAS, f32 with fp32 GEMMs (no TF32), each held to its own dtype's strict bound. Mixed dtypes are a TypeError.
+target may be any integer dtype (widened to int64, exact). Gradients are in the inputs' dtype (SPEC's fused
+outputs); the loss and auxiliary outputs are float32 tensors on the inputs' device. Invalid inputs (SPEC's edge-case table: an empty sequence, a target out of range, NaN inputs, ...)
 raise simpo_verify.InputError (a ValueError) with SPEC's message, where Liger returns NaN.
 
 `compiled` and `chunk_size` are accepted for Liger compatibility and have no effect: the kernel is compiled
@@ -56,7 +56,7 @@ def _check_dtypes(_input, weight, target, bias):
     try:
         _device.check_tensors(_input, weight, target, bias)
     except InputError as e:
-        if "SPEC says bfloat16" in str(e):
+        if "dtype" in str(e):  # a wrong or mixed input dtype: torch's TypeError
             raise TypeError(f"simpo_verify.torch: {e}") from None
         raise
 

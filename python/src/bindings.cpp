@@ -435,6 +435,7 @@ NB_MODULE(_core, m) {
     c.shape = {nb::cast<std::int64_t>(args["B"]), nb::cast<std::int64_t>(args["T"]), nb::cast<std::int64_t>(args["H"]),
                nb::cast<std::int64_t>(args["V"])};
     c.hp = simpo::hyperparameters_from_metadata(nb::cast<std::map<std::string, std::string>>(args["metadata"]));
+    c.input_dtype = simpo::input_dtype_from_name(nb::cast<std::string>(args["dtype"]));
     c.device = nb::cast<int>(args["device"]);
     c.stream = nb::cast<std::uintptr_t>(args["stream"]);
     c.x = nb::cast<std::uintptr_t>(args["x"]);

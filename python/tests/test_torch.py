@@ -12,19 +12,20 @@ from simpo_verify.torch import FusedLinearSimPOLoss, fused_linear_simpo  # noqa:
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and sv.cuda_available() else [])
 
 
-def make(device, B=4, T=8, H=32, V=48, bias=True, seed=0):
+def make(device, B=4, T=8, H=32, V=48, bias=True, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, T, H, generator=g).to(torch.bfloat16).to(device)
-    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 2).to(torch.bfloat16).to(device)
-    b = (torch.randn(V, generator=g) * 0.5).to(torch.bfloat16).to(device) if bias else None
+    x = torch.randn(B, T, H, generator=g).to(dtype).to(device)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 2).to(dtype).to(device)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype).to(device) if bias else None
     t = torch.randint(0, V, (B, T), generator=g).to(device)
     t[:, :2] = -100
     return x, w, t, b
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("device", DEVICES)
-def test_module_outputs_and_gradients_pass_strict(device):
-    x, w, t, b = make(device)
+def test_module_outputs_and_gradients_pass_strict(device, dtype):
+    x, w, t, b = make(device, dtype=dtype)
     x.requires_grad_(True)
     w.requires_grad_(True)
     b.requires_grad_(True)
@@ -37,6 +38,7 @@ def test_module_outputs_and_gradients_pass_strict(device):
     inputs = {"x": x.detach(), "weight": w.detach(), "target": t, "bias": b.detach(), "beta": 0.2, "gamma": 0.3}
     r = sv.check(inputs, candidate)
     assert r.passed, str(r)
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == dtype  # SPEC: gradients in the inputs' dtype
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -76,10 +78,12 @@ def test_liger_defaults_and_signature():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_float32_is_a_type_error_naming_the_dtype(device):
+def test_mixed_or_unsupported_dtypes_are_type_errors_naming_them(device):
     x, w, t, _ = make(device, bias=False)
     with pytest.raises(TypeError, match="float32"):
-        FusedLinearSimPOLoss()(w.float(), x, t)
+        FusedLinearSimPOLoss()(w.float(), x, t)  # weight float32, x bfloat16: never converted
+    with pytest.raises(TypeError, match="float64"):
+        FusedLinearSimPOLoss()(w.double(), x.double(), t)
 
 
 @pytest.mark.parametrize("device", DEVICES)

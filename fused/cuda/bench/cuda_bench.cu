@@ -141,8 +141,8 @@ int main(int argc, char** argv) {
   plan_options.workspace_bytes = workspace;
   plan_options.logits_k_slice = logits_k_slice;
   plan_options.logit_distances = logit_distances;
-  const GradientOutputs bf16_outputs{.grad_weight_bf16 = true};
-  const StepPlan header_plan = plan_step({.B = 2, .T = T, .H = H, .V = V}, plan_options, device_features(),
+  const GradientOutputs bf16_outputs{.grad_weight_16bit = true};
+  const StepPlan header_plan = plan_step({.B = 2, .T = T, .H = H, .V = V}, DType::BF16, plan_options, device_features(),
                                          &bf16_outputs, tuning);
   const std::string logits_gemm = logits_description(header_plan);
   const std::string grad_weight_path = grad_weight_description(header_plan);
@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
       DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_weight_bf16(V * H * 2, "grad_weight");
       DeviceGradients gradients;
       gradients.grad_x = grad_x.as<__nv_bfloat16>();
-      gradients.grad_weight_bf16 = grad_weight_bf16.as<__nv_bfloat16>();  // no fp32 grad_W: the runner's choice
+      gradients.grad_weight_16bit = grad_weight_bf16.as<__nv_bfloat16>();  // no fp32 grad_W: the runner's choice
 
       Options options = plan_options;
       options.max_chunk_rows = max_chunk_rows;

@@ -39,7 +39,7 @@ using namespace suite;
 Options cuda_options() { return options_for(Backend::cuda); }
 
 const Shape feature_shape{.B = 4, .T = 64, .H = 96, .V = 300};
-const cuda::GradientOutputs bf16_outputs{.grad_weight_bf16 = true};  // what cuda::compute gives the runner
+const cuda::GradientOutputs bf16_outputs{.grad_weight_16bit = true};  // what cuda::compute gives the runner
 
 // ---- the logits GEMM ----
 
@@ -57,7 +57,7 @@ TEST(CudaBackendFeatures, LogitsKSlicesMeetTheBar) {
       SCOPED_TRACE(shape.to_string() + ", " + std::to_string(slices) + " slices");
       Options options = cuda_options();
       options.logits_k_slice = (shape.H + slices - 1) / slices;
-      ASSERT_EQ(cuda::logits_gemm(shape.H, options, {}).k_splits, slices);
+      ASSERT_EQ(cuda::logits_gemm(shape.H, DType::BF16, options, {}).k_splits, slices);
       const TensorMap out = cuda::compute(problem, options, cuda::Tuning{.cublas_logits = true});
       expect_meets_bar(out, exact, spec.logit_scale);
     }
@@ -72,7 +72,7 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_logits_available())
     GTEST_SKIP() << "the promoted logits GEMM needs a build with CUTLASS and a device of compute capability 9.0";
-  EXPECT_TRUE(cuda::logits_gemm(4096, Options{}, cuda::device_features()).promoted) << "the default on sm_90";
+  EXPECT_TRUE(cuda::logits_gemm(4096, DType::BF16, Options{}, cuda::device_features()).promoted) << "the default on sm_90";
   for (Shape shape : {Shape{.B = 4, .T = 16, .H = 31, .V = 123}, feature_shape, Shape{.B = 2, .T = 70, .H = 520, .V = 1001}}) {
     CaseSpec spec = spec_of(shape, 30.0, 34);
     spec.bias = true;
@@ -124,7 +124,7 @@ TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
           options.logits_k_slice = promotion_k;
           options.logit_distances = true;
           const cuda::StepPlan plan =
-              cuda::plan_step(shape, options, cuda::device_features(), gradients ? &bf16_outputs : nullptr);
+              cuda::plan_step(shape, DType::BF16, options, cuda::device_features(), gradients ? &bf16_outputs : nullptr);
           ASSERT_TRUE(plan.epilogue_statistics) << plan.to_string();
           const TensorMap out = cuda::compute(problem, options);
           expect_meets_bar(out, gradients ? exact : exact_forward, spec.logit_scale);
@@ -251,7 +251,7 @@ TEST(CudaBackendSchedules, LogitDistancesRunnerKeepsTwoBytesPerLogit) {
   cuda::DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_w(V * H * 2, "grad_weight");
   cuda::DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();
-  gradients.grad_weight_bf16 = grad_w.as<__nv_bfloat16>();
+  gradients.grad_weight_16bit = grad_w.as<__nv_bfloat16>();
   Options options = cuda_options();
   options.logit_distances = true;
   runner.run(inputs.problem, &gradients, options);
@@ -352,7 +352,7 @@ TEST(CudaBackendFeatures, HiLoGradWeightMeetsTheBarAndAgreesWithTheFp32Accumulat
       SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows));
       Options options = cuda_options();
       options.max_chunk_rows = chunk_rows;
-      ASSERT_EQ(cuda::plan_step(shape, options, cuda::device_features(), &bf16_outputs).grad_weight,
+      ASSERT_EQ(cuda::plan_step(shape, DType::BF16, options, cuda::device_features(), &bf16_outputs).grad_weight,
                 cuda::StepPlan::GradWeight::hilo) << "the default";
       const TensorMap out = cuda::compute(problem, options);
       expect_meets_bar(out, exact, spec.logit_scale);
@@ -385,7 +385,7 @@ TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
   cuda::DeviceBuffer grad_x(N * H * 2, "grad_x"), grad_w(V * H * 2, "grad_weight");
   cuda::DeviceGradients gradients;
   gradients.grad_x = grad_x.as<__nv_bfloat16>();
-  gradients.grad_weight_bf16 = grad_w.as<__nv_bfloat16>();  // and no fp32 grad_weight
+  gradients.grad_weight_16bit = grad_w.as<__nv_bfloat16>();  // and no fp32 grad_weight
   Options options = cuda_options();
   options.max_chunk_rows = 128;  // two chunks of one pair each: the second accumulates
   runner.run(device, &gradients, options);
@@ -529,7 +529,7 @@ TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
       cuda::DeviceGradients gradients;
       gradients.grad_x = grad_x.as<__nv_bfloat16>();
       if (f32) gradients.grad_weight = grad_w.as<float>();
-      else gradients.grad_weight_bf16 = grad_w.as<__nv_bfloat16>();
+      else gradients.grad_weight_16bit = grad_w.as<__nv_bfloat16>();
       gradients.grad_bias = grad_b.as<float>();
       runner.run(inputs.problem, &gradients, options, tuning);
       const cuda::RunReport& report = runner.last_report();

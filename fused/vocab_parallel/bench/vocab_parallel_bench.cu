@@ -57,7 +57,7 @@ double time_one_gpu(const Problem& p, const Options& options, int reps, std::str
   DeviceGradients g;
   g.grad_x = grad_x.as<__nv_bfloat16>();
   g.grad_weight = grad_w.as<float>();
-  g.grad_weight_bf16 = grad_w16.as<__nv_bfloat16>();
+  g.grad_weight_16bit = grad_w16.as<__nv_bfloat16>();
   runner.run(d, &g, options);
   schedule = runner.last_report().schedule.to_string();
   std::vector<double> ms;
