@@ -11,6 +11,7 @@
 #include "fused/cuda/promoted_stats.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <type_traits>
 
@@ -60,11 +61,29 @@ PairParams pair_params(const DeviceProblemOf<T>& p) {
   return PairParams{p.shape.T, p.shape.P(), p.hp.ignore_index, p.hp.beta, p.hp.gamma, p.hp.label_smoothing};
 }
 
+// f16 dz (CoefficientParams::dz_scale): |dterm| <= 1, so |dL/davg[b]| <= |beta| / P and every row's
+// |k| <= |grad_scale| (|beta| / (P n[b]) + nll_weight), known on the host before the step. The power of two that puts
+// that bound at 2^14 keeps every dz below f16's largest finite (65504) and the large ones far above its smallest
+// normal (2^-14), where a k of 1e-5 would otherwise leave most of a row's softmax terms subnormal or zero.
+double dz_scale_for_f16(const Targets& targets, const Hyperparameters& hp, std::int64_t P, double nll_weight) {
+  double bound = 0;
+  for (std::size_t b = 0; b < targets.n.size(); ++b)
+    if (targets.n[b] > 0)
+      bound = std::max(bound, std::abs(hp.beta) / (static_cast<double>(P) * static_cast<double>(targets.n[b])) +
+                                  (static_cast<std::int64_t>(b) < P ? nll_weight : 0.0));
+  bound *= std::abs(hp.grad_scale);
+  if (!(bound > 0) || !std::isfinite(bound)) return 1.0;
+  return std::ldexp(1.0, std::clamp(static_cast<int>(std::floor(std::log2(0x1.0p14 / bound))), -120, 120));
+}
+
 template <class T>
 CoefficientParams coefficient_params(const DeviceProblemOf<T>& p, const RowArrays& rows) {
   const double nll_weight =
       p.hp.compute_nll_loss && p.targets.n_chosen > 0 ? p.hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
-  return CoefficientParams{p.shape.T, p.shape.P(), p.hp.grad_scale, nll_weight, rows.avg_grad, rows.completion_tokens};
+  CoefficientParams c{p.shape.T, p.shape.P(), p.hp.grad_scale, nll_weight, rows.avg_grad, rows.completion_tokens};
+  if constexpr (std::is_same_v<T, __half>)
+    c.dz_scale = static_cast<float>(dz_scale_for_f16(p.targets, p.hp, p.shape.P(), nll_weight));
+  return c;
 }
 
 // The chunked step (three_pass, two_pass, forward_only): the stages walk() calls. A chunk's parts are stacked in
@@ -185,7 +204,8 @@ class ChunkedStep {
                   dz_ + offset * ld_dz_, ld_dz_, rows_.target_coef, stream_);
       offset += part.rows();
     }
-    gemms_.grad_x(rows, V, ld_h, dz_, ld_dz_, p_.weight, grad_x_part_);
+    const float alpha = 1.0f / coefficients.dz_scale;  // exact: a power of two
+    gemms_.grad_x(rows, V, ld_h, dz_, ld_dz_, p_.weight, grad_x_part_, /*accumulate=*/false, alpha);
     ChunkRows chunk_rows;
     for (int i = 0; i < c.part_count; ++i) {
       chunk_rows.begin[i] = c.parts[i].begin;
@@ -203,7 +223,7 @@ class ChunkedStep {
     }
     if (!hi_) {
       gemms_.accumulate_grad_weight(rows, V, ld_h, dz_, ld_dz_, x_chunk, grad_weight_f32_,
-                                    /*overwrite=*/first_weight_gemm_);
+                                    /*overwrite=*/first_weight_gemm_, alpha);
     }
     // The one-hot term, per target once, after the GEMM (each reads and writes the accumulator's row).
     launch_target_rows(p_.x, ld_h, H, chunk_rows, p_.target, rows_.target_coef,
@@ -219,7 +239,8 @@ class ChunkedStep {
       offset += part.rows();
     }
     if (g_->grad_bias)
-      launch_bias_column_sums(dz_, ld_dz_, chunk_rows, V, 0, p_.target, rows_.target_coef, g_->grad_bias, stream_);
+      launch_bias_column_sums(dz_, ld_dz_, chunk_rows, V, 0, p_.target, rows_.target_coef, g_->grad_bias, stream_,
+                              coefficients.dz_scale);
   }
 
   LogitRowsOf<T> part_logits(const RowRange& part, std::int64_t offset) const {

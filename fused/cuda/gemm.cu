@@ -62,10 +62,9 @@ Gemms::~Gemms() {
 
 void Gemms::gemm(cudaDataType type, bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n,
                  std::int64_t k, const void* A, std::int64_t lda, const void* B, std::int64_t ldb, float beta, float* C,
-                 std::int64_t ldc) {
+                 std::int64_t ldc, float alpha) {
   if (m == 0 || n == 0) return;
   cudaStream_t stream = stream_;
-  const float alpha = 1.0f;
   const cublasOperation_t op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   // Stored (pre-op) shapes: A is m x k, or k x m when transposed; B is k x n, or n x k.
@@ -142,26 +141,28 @@ void Gemms::logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T
 // Row-major grad_x[rows, ld_h] = dz W is column-major grad_x^T[ld_h, rows] = W^T(col-major [ld_h, V]) dz^T.
 template <class T>
 void Gemms::grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz, std::int64_t ld_dz,
-                   const T* weight, float* grad_x, bool accumulate) {
-  gemm(cuda_type<T>(), false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, accumulate ? 1.0f : 0.0f, grad_x, ld_h);
+                   const T* weight, float* grad_x, bool accumulate, float alpha) {
+  gemm(cuda_type<T>(), false, false, ld_h, rows, V, weight, ld_h, dz, ld_dz, accumulate ? 1.0f : 0.0f, grad_x, ld_h,
+       alpha);
 }
 
 // Row-major grad_W[V, ld_h] += dz^T x is column-major grad_W^T[ld_h, V] += x^T(col-major [ld_h, rows]) dz
 // (dz^T is col-major [V, rows], transposed to [rows, V]).
 template <class T>
 void Gemms::accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz,
-                                   std::int64_t ld_dz, const T* x, float* grad_weight, bool overwrite) {
+                                   std::int64_t ld_dz, const T* x, float* grad_weight, bool overwrite, float alpha) {
   if (rows == 0) return;
-  gemm(cuda_type<T>(), false, true, ld_h, V, rows, x, ld_h, dz, ld_dz, overwrite ? 0.0f : 1.0f, grad_weight, ld_h);
+  gemm(cuda_type<T>(), false, true, ld_h, V, rows, x, ld_h, dz, ld_dz, overwrite ? 0.0f : 1.0f, grad_weight, ld_h,
+       alpha);
 }
 
 #define SIMPO_GEMMS_FOR(T)                                                                                    \
   template void Gemms::logits<T>(std::int64_t, std::int64_t, std::int64_t, const T*, const T*, float*, std::int64_t, \
                                  int);                                                                            \
   template void Gemms::grad_x<T>(std::int64_t, std::int64_t, std::int64_t, const T*, std::int64_t, const T*, float*, \
-                                 bool);                                                                           \
+                                 bool, float);                                                                    \
   template void Gemms::accumulate_grad_weight<T>(std::int64_t, std::int64_t, std::int64_t, const T*, std::int64_t,   \
-                                                 const T*, float*, bool);
+                                                 const T*, float*, bool, float);
 SIMPO_GEMMS_FOR(__nv_bfloat16)
 SIMPO_GEMMS_FOR(__half)
 SIMPO_GEMMS_FOR(float)

@@ -42,24 +42,26 @@ class Gemms {
   template <class T>
   void logits(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* x, const T* weight, float* logits,
               std::int64_t ld_logits, int k_splits = 1);
-  // grad_x[rows, ld_h] (+)= dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero);
-  // accumulate: beta = 1 (the low-memory schedule sums it over slices of the vocabulary).
+  // grad_x[rows, ld_h] (+)= alpha dz[rows, V] weight[V, ld_h] (all ld_h columns; the padding ones come out zero);
+  // accumulate: beta = 1 (the low-memory schedule sums it over slices of the vocabulary). alpha undoes a scaled dz
+  // (CoefficientParams::dz_scale).
   template <class T>
   void grad_x(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz, std::int64_t ld_dz, const T* weight,
-              float* grad_x, bool accumulate = false);
+              float* grad_x, bool accumulate = false, float alpha = 1.0f);
   // grad_weight[V, ld_h] (+)= dz[rows, V]^T x[rows, ld_h]: the fp32 accumulator across chunks (beta = 1), or
   // its first term (beta = 0, `overwrite`), which saves clearing V*H*4 bytes beforehand.
   template <class T>
   void accumulate_grad_weight(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const T* dz, std::int64_t ld_dz,
-                              const T* x, float* grad_weight, bool overwrite = false);
+                              const T* x, float* grad_weight, bool overwrite = false, float alpha = 1.0f);
 
   // How many calls took the cublasGemmEx fallback (tests and the benchmark report it).
   int fallback_calls() const { return fallback_calls_; }
 
  private:
-  // Column-major C[m, n] (ldc) = op(A) op(B) + beta C, A and B of cuBLAS type `type`.
+  // Column-major C[m, n] (ldc) = alpha op(A) op(B) + beta C, A and B of cuBLAS type `type`.
   void gemm(cudaDataType type, bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
-            const void* A, std::int64_t lda, const void* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc);
+            const void* A, std::int64_t lda, const void* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc,
+            float alpha = 1.0f);
 
   cudaStream_t stream_;
   void* workspace_;

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRowsOf<T> a, Coeff
   const std::int64_t target = a.target[r];
   const bool completion = target != a.ignore_index;
   const std::int64_t t = target - a.column_begin;  // the target's column in this buffer (maybe outside it)
-  const float k = row_k(c, r, completion);
+  const float k = row_k(c, r, completion), k_dz = k * c.dz_scale;
   const float shift = row_max[r], row_lse = lse[r];  // softmax_v = exp((z_v - max) - lse_relative)
   const float z_t = z_target[r];  // read before any write (z_target is never the logits buffer, but cheap)
   const std::int64_t V8 = a.V / 8 * 8;
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRowsOf<T> a, Coeff
     if (v < V8 && k != 0.0f) {  // k == 0 (ignored rows, empty sequences): a zero row, no exponentials
       load8<kBias>(row, a.bias, v, z);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) z[i] = (v + i == t) ? 0.0f : m::softmax_gradient(k, z[i] - shift, row_lse);
+      for (int i = 0; i < 8; ++i) z[i] = (v + i == t) ? 0.0f : m::softmax_gradient(k_dz, z[i] - shift, row_lse);
     }
     __syncthreads();
     if (v < V8) store8(out + v, z);
@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRowsOf<T> a, Coeff
   const std::int64_t padded_v = (a.V + 7) / 8 * 8, end = ld_dz < padded_v ? ld_dz : padded_v;
   const std::int64_t v = V8 + threadIdx.x;
   float value = 0.0f;
-  if (v < a.V && v != t && k != 0.0f) value = m::softmax_gradient(k, load1<kBias>(row, a.bias, v) - shift, row_lse);
+  if (v < a.V && v != t && k != 0.0f)
+    value = m::softmax_gradient(k_dz, load1<kBias>(row, a.bias, v) - shift, row_lse);
   __syncthreads();
   if (v < end) out[v] = from_float<T>(value);
   if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_t, row_lse) : 0.0f;
@@ -307,14 +308,14 @@ __global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const T* 
                                                                       ChunkRows c, std::int64_t V,
                                                                       std::int64_t column_begin,
                                                                       const std::int64_t* target, const float* coef,
-                                                                      float* grad_bias) {
+                                                                      float* grad_bias, float dz_unscale) {
   const std::int64_t v = std::int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
   if (v >= V) return;
   const std::int64_t rows = c.rows[0] + c.rows[1];
   float sum = 0;
   for (std::int64_t j = 0; j < rows; ++j) {
     const std::int64_t r = chunk_row(c, j);
-    sum += to_float(dz[j * ld + v]);
+    sum += to_float(dz[j * ld + v]) * dz_unscale;  // a power of two: exact
     if (target != nullptr && target[r] == column_begin + v) sum += coef[r];
   }
   grad_bias[v] += sum;
@@ -529,10 +530,10 @@ void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64
 template <class T>
 void launch_bias_column_sums(const T* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
                              std::int64_t column_begin, const std::int64_t* target, const float* target_coef,
-                             float* grad_bias, cudaStream_t stream) {
+                             float* grad_bias, cudaStream_t stream, float dz_scale) {
   if (rows.rows[0] + rows.rows[1] == 0 || V == 0) return;
   bias_column_sums_kernel<<<static_cast<unsigned>((V + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(
-      dz, ld_dz, rows, V, column_begin, target, target_coef, grad_bias);
+      dz, ld_dz, rows, V, column_begin, target, target_coef, grad_bias, 1.0f / dz_scale);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -574,7 +575,7 @@ void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_en
   template void launch_grad_x_finish<T>(const float*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,        \
                                         const T*, const std::int64_t*, const float*, T*, cudaStream_t);              \
   template void launch_bias_column_sums<T>(const T*, std::int64_t, const ChunkRows&, std::int64_t, std::int64_t,     \
-                                           const std::int64_t*, const float*, float*, cudaStream_t);                 \
+                                           const std::int64_t*, const float*, float*, cudaStream_t, float);          \
   template void launch_target_rows<T>(const T*, std::int64_t, std::int64_t, const ChunkRows&, const std::int64_t*,   \
                                       const float*, const TargetRowsSink&, cudaStream_t);                            \
   template void launch_round_to<T>(const float*, std::int64_t, std::int64_t, std::int64_t, T*, cudaStream_t);

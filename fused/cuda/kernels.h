@@ -78,6 +78,10 @@ struct CoefficientParams {
   double nll_weight;  // alpha / N_c on chosen rows (0 when the NLL term is off)
   const double* avg_grad;                 // [B]
   const std::int64_t* completion_tokens;  // [B]
+  // dz is written times this power of two (target_coef is not); the GEMMs and the bias sums take it out again
+  // (alpha = 1 / dz_scale, exact). 1 but for f16 inputs, whose 5-bit exponent would flush a small k's dz to zero:
+  // there it lifts the largest possible |k| to near the top of f16's range (dz_scale_for, fused_runner.cu).
+  float dz_scale = 1.0f;
 };
 template <class T>
 void launch_dz(const LogitRowsOf<T>&, const CoefficientParams&, const float* row_max, const float* lse,
@@ -136,7 +140,7 @@ struct ChunkRows {
 template <class T>
 void launch_bias_column_sums(const T* dz, std::int64_t ld_dz, const ChunkRows& rows, std::int64_t V,
                              std::int64_t column_begin, const std::int64_t* target, const float* target_coef,
-                             float* grad_bias, cudaStream_t);
+                             float* grad_bias, cudaStream_t, float dz_scale = 1.0f);
 
 // Where the target term goes: the bf16 hi/lo pair (hilo_gemm.h; hi, lo [V, ld_w]) or an fp32 accumulator [V, ld_w].
 struct TargetRowsSink {

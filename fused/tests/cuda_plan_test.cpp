@@ -54,6 +54,31 @@ TEST(CudaPlan, PublishedStepOnHopper) {
   expect_rows_covered(plan, published);
 }
 
+// The sm_90a kernels take bf16: f16 inputs get cuBLAS cut along k (the tensor cores' truncated accumulation), f32
+// one fp32 GEMM over all of H; both an fp32 grad_W accumulator, x rows gathered in their own width, small budgets the
+// two_pass fallback (the low-memory schedule needs the promoted GEMM).
+TEST(CudaPlan, F16AndF32InputsTakeTheCublasPathOnHopper) {
+  for (DType dtype : {DType::F16, DType::F32}) {
+    SCOPED_TRACE(input_dtype_name(dtype));
+    const bool f32 = dtype == DType::F32;
+    const StepPlan plan = plan_step(published, dtype, Options{}, hopper, f32 ? &f32_output : &bf16_output);
+    EXPECT_FALSE(plan.logits.promoted);
+    EXPECT_EQ(plan.logits.k_splits, f32 ? 1 : 16);
+    EXPECT_FALSE(plan.epilogue_statistics);
+    EXPECT_EQ(plan.kept, StepPlan::Kept::fp32);
+    EXPECT_EQ(plan.grad_weight, f32 ? StepPlan::GradWeight::f32_output : StepPlan::GradWeight::f32_own);
+    const auto x_rows = std::find_if(plan.regions.begin(), plan.regions.end(),
+                                     [](const Region& r) { return r.name == "gathered x rows"; });
+    ASSERT_NE(x_rows, plan.regions.end());
+    EXPECT_EQ(x_rows->bytes, plan.schedule.max_rows() * published.H * (f32 ? 4 : 2));
+    expect_regions_disjoint(plan);
+    expect_rows_covered(plan, published);
+    Options small;
+    small.workspace_bytes = min_workspace_bytes;
+    EXPECT_FALSE(plan_step(published, dtype, small, hopper, &bf16_output).low_memory);
+  }
+}
+
 TEST(CudaPlan, ForwardTakesItsStatisticsFromTheEpilogueInL2SizedChunks) {
   Options forward;
   forward.gradients = false;
