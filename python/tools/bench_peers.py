@@ -4,7 +4,7 @@ token) at B = 2, 4, 8, 16, with the cuBLAS GEMM floor measured in the same proce
 (schema in python/README.md, "peers.json").
 
     python3 bench_peers.py OUT.json [--batches 2,4,8,16] [--reps 5] [--impls ours,torch_eager,liger,cce]
-                           [--budget S] [--cce-probe]
+                           [--budget S] [--cce-probe] [--dtype bf16|f16|f32]
 
 fwd: the loss alone (no autograd graph: torch.no_grad for the peers, no input requiring grad for ours).
 full: forward + loss.backward(): every gradient, as one training step needs. Times are medians of --reps runs
@@ -126,7 +126,7 @@ def cce_probe(x, w, t, reps):
 def gemm_floor(x, w, reps):
     N = x.shape[0] * x.shape[1]
     x2 = x.reshape(N, H)
-    dz = torch.randn(N, V, device="cuda").to(torch.bfloat16)
+    dz = torch.randn(N, V, device="cuda").to(x.dtype)  # the floor's three GEMMs in the inputs' dtype
     fwd = timed(lambda: torch.mm(x2, w.t()), reps)
     full = fwd + timed(lambda: torch.mm(dz, w), reps) + timed(lambda: torch.mm(dz.t(), x2), reps)
     del dz
@@ -141,14 +141,17 @@ def main():
     a.add_argument("--impls", default="ours,torch_eager,liger,cce")
     a.add_argument("--budget", type=float, default=0, help="stop starting new rows after this many seconds")
     a.add_argument("--cce-probe", action="store_true", help="first: cce_probe() at B = 2 (result's cce_probe)")
+    a.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16",
+                   help="x's and weight's dtype (f32: torch's fp32 GEMMs, TF32 off as torch's default)")
     args = a.parse_args()
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     impls = args.impls.split(",")
     t_start = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(dtype)
     result = {
         "schema": "simpo-verify peers benchmark v1 (python/README.md)",
-        "workload": {"T": T, "H": H, "V": V, "dtype": "bf16", "bias": False, "ignore": "none",
+        "workload": {"T": T, "H": H, "V": V, "dtype": args.dtype, "bias": False, "ignore": "none",
                      "hyperparameters": HP},
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
@@ -172,7 +175,7 @@ def main():
     for B in [int(b) for b in args.batches.split(",")]:
         if args.budget and time.time() - t_start > args.budget:
             break
-        x = torch.randn(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+        x = torch.randn(B, T, H, device="cuda", generator=g).to(dtype)
         t = torch.randint(0, V, (B, T), device="cuda", generator=g)
         floor_fwd, floor_full = gemm_floor(x, w, args.reps)
         row = {"B": B, "floor_fwd_ms": floor_fwd, "floor_full_ms": floor_full, "impls": {}}
