@@ -44,6 +44,8 @@ Backend resolve(Backend backend) {
 
 // Each backend validates the problem itself (both are entry points too), so the O(inputs) scan runs once.
 TensorMap compute(const Problem& problem, const Options& options) {
+  if (options.gradients && !options.grad_x && !options.grad_weight)
+    throw InputError("gradients asked for with neither grad_x nor grad_weight (the forward alone is gradients = false)");
   switch (resolve(options.backend)) {
     case Backend::cuda:
 #if SIMPO_HAVE_CUDA
@@ -62,6 +64,16 @@ DeviceResult compute_on_device(const DeviceCall& call) {
   (void)call;
   throw InputError("inputs on a CUDA device, but this build has no cuda backend (no nvcc at build time): move them "
                    "to the host, or rebuild where nvcc is installed");
+#endif
+}
+
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream) {
+#if SIMPO_HAVE_CUDA
+  cuda::scale_gradient_on_device(dtype, hi, lo, n, scale, out, device, stream);
+#else
+  (void)dtype, (void)hi, (void)lo, (void)n, (void)scale, (void)out, (void)device, (void)stream;
+  throw InputError("a gradient on a CUDA device, but this build has no cuda backend (no nvcc at build time)");
 #endif
 }
 

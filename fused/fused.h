@@ -23,6 +23,10 @@ inline constexpr std::int64_t min_workspace_bytes = std::int64_t{64} << 20;     
 struct Options {
   Backend backend = Backend::automatic;
   bool gradients = true;           // false: forward only (loss and auxiliary outputs)
+  // With gradients, which to compute: a frozen input (a LoRA model's LM head, frozen hidden states) gets no gradient
+  // output and its gradient GEMM does not run. grad_bias goes with grad_weight. At least one must be set.
+  bool grad_x = true;
+  bool grad_weight = true;
   bool grad_weight_f32 = false;    // grad_weight and grad_bias in F32 instead of the inputs' dtype
   bool validate = true;            // false skips only the NaN/Inf scan of the inputs (SPEC)
   // Scratch the algorithm may hold at once (chunk logits, dz, per-chunk grad_x). The grad_weight accumulator is
@@ -69,8 +73,14 @@ struct DeviceCall {
   // Inputs, dense and row-major, of input_dtype: x [B,T,H], weight [V,H], bias [V] (0: none); target int64 [B,T].
   std::uintptr_t x = 0, weight = 0, bias = 0, target = 0;
   // Outputs, dense, the caller's: grad_x [B,T,H] in input_dtype; grad_weight [V,H] and grad_bias [V] in input_dtype
-  // or (with options.grad_weight_f32) f32, each 16-byte aligned. Unused without options.gradients.
+  // or (with options.grad_weight_f32) f32, each 16-byte aligned. Unused without options.gradients (grad_x without
+  // options.grad_x, grad_weight and grad_bias without options.grad_weight).
   std::uintptr_t grad_x = 0, grad_weight = 0, grad_bias = 0;
+  // Optional, for 16-bit outputs (bf16, f16): buffers shaped and typed like grad_x, grad_weight, grad_bias that
+  // receive each output's rounding residue, lo = T(g - T(g)) of the fp32 value g whose rounding T(g) is the output.
+  // With them scale_gradient_on_device gives T(s g) for any s later with one rounding: what a caller needs whose
+  // scale comes after the step (autograd's grad_output). 0: none.
+  std::uintptr_t grad_x_lo = 0, grad_weight_lo = 0, grad_bias_lo = 0;
   Options options;
   // Keep the backend's scratch for the next call (a training loop calls once per step); false frees it at the end.
   bool keep_workspace = false;
@@ -86,5 +96,11 @@ struct DeviceResult {
 // Validates as compute() does (SPEC's rules; the NaN/Inf scan on the device unless options.validate is false).
 // InputError where the build has no cuda backend.
 DeviceResult compute_on_device(const DeviceCall&);
+
+// out[i] = T(scale (hi[i] + lo[i])) for n elements of dtype T (lo 0: T(scale hi[i])), ordered on `stream` of `device`:
+// a gradient of compute_on_device and its residue (DeviceCall::grad_x_lo...) scaled with one rounding, as if the step
+// had run with grad_scale times `scale`. out may be hi. InputError where the build has no cuda backend.
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream);
 
 }  // namespace simpo::fused

@@ -98,10 +98,14 @@ class Run {
     x_chunk_.resize(rows, H);
     logits_.resize(rows, V);
     if (options.gradients) {
-      grad_x_chunk_.resize(rows, H);
-      grad_weight_ = MatrixF::Zero(V, H);
-      grad_bias_ = VectorF::Zero(V);
-      grad_x_ = Tensor(dtype_, output_shape(shape_, output_name::grad_x));
+      if (options.grad_x) {
+        grad_x_chunk_.resize(rows, H);
+        grad_x_ = Tensor(dtype_, output_shape(shape_, output_name::grad_x));
+      }
+      if (options.grad_weight) {
+        grad_weight_ = MatrixF::Zero(V, H);
+        grad_bias_ = VectorF::Zero(V);
+      }
     }
   }
 
@@ -257,8 +261,10 @@ class Run {
     const auto D = logits_.topRows(R);
     const auto X = x_chunk_.topRows(R);
 
-    // Step 5a: grad_x rows = D W + c W[target], rounded to the inputs' dtype once.
-    if (mutant_ == Mutant::grad_x_in_input_buffer) {
+    // Step 5a: grad_x rows = D W + c W[target], rounded to the inputs' dtype once (Options::grad_x: not for a
+    // frozen x).
+    if (!options_.grad_x) {
+    } else if (mutant_ == Mutant::grad_x_in_input_buffer) {
       grad_x_parked_in_bf16(D);
     } else {
       grad_x_chunk_.topRows(R).noalias() = D * weight_;
@@ -276,7 +282,9 @@ class Run {
       });
     }
 
-    // Step 5b: grad_W_f32 += D^T X + c x (scatter-add, serial: targets may repeat), grad_bias likewise.
+    // Step 5b: grad_W_f32 += D^T X + c x (scatter-add, serial: targets may repeat), grad_bias likewise
+    // (Options::grad_weight: not for a frozen LM head).
+    if (!options_.grad_weight) return;
     grad_weight_.noalias() += D.transpose() * X;
     const bool bias_gradient = problem_.has_bias() && mutant_ != Mutant::grad_bias_missing;  // MUTANT grad_bias_missing
     if (bias_gradient) grad_bias_.noalias() += D.colwise().sum().transpose();
@@ -323,7 +331,8 @@ class Run {
 
   void add_gradient_outputs(TensorMap& out) {
     const auto H = shape_.H, V = shape_.V;
-    out[output_name::grad_x] = std::move(grad_x_);
+    if (options_.grad_x) out[output_name::grad_x] = std::move(grad_x_);
+    if (!options_.grad_weight) return;
     const std::span<const float> gw(grad_weight_.data(), static_cast<std::size_t>(grad_weight_.size()));
     const std::span<const float> gb(grad_bias_.data(), static_cast<std::size_t>(grad_bias_.size()));
     if (options_.grad_weight_f32) {

@@ -7,8 +7,10 @@
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/device_fused.h"
+#include "fused/cuda/kernels.h"
 
 #include <climits>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -175,10 +177,17 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   // grad_weight and grad_bias are F32 for f32 inputs (SPEC: the inputs' dtype) or when asked for.
   const bool gradients = options.gradients, f32 = options.grad_weight_f32 || c.input_dtype == DType::F32;
   if (!c.x || !c.weight || !c.target) throw InputError("compute_on_device: x, weight and target must be device pointers");
-  if (gradients && (!c.grad_x || !c.grad_weight || (c.bias && !c.grad_bias)))
+  const bool want_x = gradients && options.grad_x, want_weight = gradients && options.grad_weight;
+  if (gradients && !want_x && !want_weight)
+    throw InputError("compute_on_device: gradients asked for with neither grad_x nor grad_weight (the forward alone is "
+                     "options.gradients = false)");
+  if ((want_x && !c.grad_x) || (want_weight && (!c.grad_weight || (c.bias && !c.grad_bias))))
     throw InputError("compute_on_device: gradients asked for, but no output buffer for one of them");
-  for (std::uintptr_t p : {c.grad_x, c.grad_weight, c.grad_bias})
+  for (std::uintptr_t p : {c.grad_x, c.grad_weight, c.grad_bias, c.grad_x_lo, c.grad_weight_lo, c.grad_bias_lo})
     if (!aligned16(p)) throw InputError("compute_on_device: output buffers must be 16-byte aligned");
+  if ((c.grad_x_lo && c.input_dtype == DType::F32) || ((c.grad_weight_lo || c.grad_bias_lo) && f32))
+    throw InputError("compute_on_device: rounding residues (grad_*_lo) are for bf16 and f16 outputs; an f32 output "
+                     "has none to keep");
 
   SIMPO_CUDA_CHECK(cudaSetDevice(c.device));
   FusedRunner& runner = runner_for(c.device);
@@ -218,8 +227,13 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
     // padded one when H % 8 != 0); a 16-bit output is all the runner needs (the hi/lo pair over it, or an fp32
     // accumulator of its own: the plan says which). grad_bias accumulates in fp32, rounded into a 16-bit output.
     DeviceGradientsOf<T> g;
-    if (gradients) {
+    if (want_x) {
       g.grad_x = reinterpret_cast<T*>(c.grad_x);
+      g.grad_x_lo = reinterpret_cast<T*>(c.grad_x_lo);
+    }
+    if (want_weight) {
+      g.grad_weight_lo = reinterpret_cast<T*>(c.grad_weight_lo);
+      g.grad_bias_lo = reinterpret_cast<T*>(c.grad_bias_lo);
       if (f32 && ld_h == H) {
         g.grad_weight = reinterpret_cast<float*>(c.grad_weight);
       } else if (f32) {
@@ -239,7 +253,7 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
       }
     }
     const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning);
-    if (gradients && f32 && ld_h != H)
+    if (want_weight && f32 && ld_h != H)
       SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4,
                                          H * 4, V, cudaMemcpyDeviceToDevice, stream));
     result.forward = forward_outputs(targets, dp.targets, stats);
@@ -254,6 +268,18 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
   return result;
+}
+
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream) {
+  if (!is_input_dtype(dtype)) throw InputError("scale_gradient_on_device: the dtype must be bf16, f16 or f32");
+  if (!hi || !out || n < 0) throw InputError("scale_gradient_on_device: hi and out must be device pointers, n >= 0");
+  if (!std::isfinite(scale)) throw InputError("scale_gradient_on_device: the scale must be finite");
+  SIMPO_CUDA_CHECK(cudaSetDevice(device));
+  with_element_type(dtype, [&]<class T>(T) {
+    launch_scale(reinterpret_cast<const T*>(hi), reinterpret_cast<const T*>(lo), n, scale,
+                 reinterpret_cast<T*>(out), reinterpret_cast<cudaStream_t>(stream));
+  });
 }
 
 DeviceInputs upload_inputs(const Problem& problem, cudaStream_t stream) {
@@ -316,8 +342,9 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
   const DType weight_dtype = f32 ? DType::F32 : input;
   const std::int64_t weight_element = f32 ? 4 : input_element;
   DeviceBuffer grad_x, grad_weight, grad_bias;
-  if (options.gradients) {
-    grad_x = DeviceBuffer(static_cast<std::size_t>(N * H * input_element), "grad_x", stream);
+  const bool want_x = options.gradients && options.grad_x, want_weight = options.gradients && options.grad_weight;
+  if (want_x) grad_x = DeviceBuffer(static_cast<std::size_t>(N * H * input_element), "grad_x", stream);
+  if (want_weight) {
     grad_weight = DeviceBuffer(static_cast<std::size_t>(V * H * weight_element), "grad_weight", stream);
     if (problem.has_bias()) grad_bias = DeviceBuffer(static_cast<std::size_t>(V * weight_element), "grad_bias", stream);
   }
@@ -339,13 +366,13 @@ TensorMap compute(const Problem& problem, const Options& options, const Tuning& 
   DeviceResult result = compute_on_device(call, tuning);
 
   TensorMap out = std::move(result.forward);
-  if (options.gradients) {
-    auto download = [&](const DeviceBuffer& device_buffer, DType dtype, const std::string& name) {
-      Tensor t(dtype, output_shape(s, name));
-      SIMPO_CUDA_CHECK(cudaMemcpyAsync(t.bytes.data(), device_buffer.get(), t.bytes.size(), cudaMemcpyDeviceToHost, stream));
-      out[name] = std::move(t);
-    };
-    download(grad_x, input, output_name::grad_x);
+  auto download = [&](const DeviceBuffer& device_buffer, DType dtype, const std::string& name) {
+    Tensor t(dtype, output_shape(s, name));
+    SIMPO_CUDA_CHECK(cudaMemcpyAsync(t.bytes.data(), device_buffer.get(), t.bytes.size(), cudaMemcpyDeviceToHost, stream));
+    out[name] = std::move(t);
+  };
+  if (want_x) download(grad_x, input, output_name::grad_x);
+  if (want_weight) {
     download(grad_weight, weight_dtype, output_name::grad_weight);
     if (problem.has_bias()) download(grad_bias, weight_dtype, output_name::grad_bias);
   }

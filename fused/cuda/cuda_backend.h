@@ -23,6 +23,8 @@ bool device_present();
 // CUDA, cuBLAS or cuBLASLt failure, with the library's message.
 DeviceResult compute_on_device(const DeviceCall&);
 DeviceResult compute_on_device(const DeviceCall&, const Tuning&);
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream);
 
 // SPEC's outputs for a host problem: its inputs copied to the device, compute_on_device, the outputs copied back.
 TensorMap compute(const Problem& problem, const Options& options);

@@ -49,13 +49,17 @@ template <> constexpr DType dtype_of<float>() { return DType::F32; }
 // (hilo_gemm.h: hi is grad_weight_16bit itself, lo a [V, H] bf16 buffer the runner owns, 1 GiB at the published
 // shape) for bf16 inputs on sm_90 with CUTLASS and H % 8 == 0; else in an fp32 accumulator, `grad_weight` when the
 // caller gives one (nullptr is fine), else one the runner owns. RunReport says which and what the runner allocated.
+// A null grad_x, or grad_weight and grad_weight_16bit both null: that gradient is not computed (a frozen input,
+// Options::grad_x / grad_weight). The *_lo buffers (16-bit outputs only, each optional) receive the outputs'
+// rounding residues (fused.h: DeviceCall::grad_x_lo); a grad_weight_lo is then also the hi/lo pair's lo.
 template <class T>
 struct DeviceGradientsOf {
-  T* grad_x = nullptr;             // [N, H], the output
+  T* grad_x = nullptr;             // [N, H], the output, or nullptr
   float* grad_weight = nullptr;    // [V, ld_h] fp32 output / accumulator, or nullptr (see above)
   float* grad_bias = nullptr;      // [V] fp32, or nullptr without a bias; run() zeroes it first
   T* grad_weight_16bit = nullptr;  // [V, H] or nullptr: the output in the inputs' 16-bit dtype (see above)
   T* grad_bias_16bit = nullptr;    // [V] or nullptr: run() rounds grad_bias into it
+  T *grad_x_lo = nullptr, *grad_weight_lo = nullptr, *grad_bias_lo = nullptr;
 };
 using DeviceGradients = DeviceGradientsOf<__nv_bfloat16>;
 

@@ -124,7 +124,7 @@ class ChunkedStep {
         case StepPlan::GradWeight::hilo:
           if constexpr (kBf16) {
             hi_ = g->grad_weight_16bit;
-            lo_ = static_cast<__nv_bfloat16*>(accumulator);
+            lo_ = g->grad_weight_lo != nullptr ? g->grad_weight_lo : static_cast<__nv_bfloat16*>(accumulator);
           }
           break;
         default: break;
@@ -151,9 +151,9 @@ class ChunkedStep {
   void epilogue() {
     const std::int64_t V = p_.shape.V, H = p_.shape.H;
     if (g_ && g_->grad_weight_16bit && !hi_)
-      launch_round_to(grad_weight_f32_, p_.ld_h, V, H, g_->grad_weight_16bit, stream_);
+      launch_round_to(grad_weight_f32_, p_.ld_h, V, H, g_->grad_weight_16bit, stream_, g_->grad_weight_lo);
     if (g_ && g_->grad_bias && g_->grad_bias_16bit)
-      launch_round_to(g_->grad_bias, V, 1, V, g_->grad_bias_16bit, stream_);
+      launch_round_to(g_->grad_bias, V, 1, V, g_->grad_bias_16bit, stream_, g_->grad_bias_lo);
   }
 
  private:
@@ -183,7 +183,8 @@ class ChunkedStep {
   // rows, rejected rows) would otherwise read and write the whole grad_W accumulator twice.
   void backward(const Chunk& c) {
     const std::int64_t V = p_.shape.V, H = p_.shape.H, ld_h = p_.ld_h, rows = c.rows();
-    const T* x_chunk = x_chunk_ != nullptr ? x_chunk_ : gather_x(c);
+    const bool weight_gradient = plan_.grad_weight != StepPlan::GradWeight::none;
+    const T* x_chunk = x_chunk_ != nullptr ? x_chunk_ : weight_gradient ? gather_x(c) : nullptr;
     x_chunk_ = nullptr;
     const CoefficientParams coefficients = coefficient_params(p_, rows_);
     std::int64_t offset = 0;
@@ -205,7 +206,17 @@ class ChunkedStep {
       offset += part.rows();
     }
     const float alpha = 1.0f / coefficients.dz_scale;  // exact: a power of two
-    gemms_.grad_x(rows, V, ld_h, dz_, ld_dz_, p_.weight, grad_x_part_, /*accumulate=*/false, alpha);
+    if (g_->grad_x) {
+      gemms_.grad_x(rows, V, ld_h, dz_, ld_dz_, p_.weight, grad_x_part_, /*accumulate=*/false, alpha);
+      offset = 0;
+      for (int i = 0; i < c.part_count; ++i) {
+        const RowRange& part = c.parts[i];
+        launch_grad_x_finish(grad_x_part_ + offset * ld_h, part.rows(), part.begin, H, ld_h, p_.weight, p_.target,
+                             rows_.target_coef, g_->grad_x, stream_, g_->grad_x_lo);
+        offset += part.rows();
+      }
+    }
+    if (!weight_gradient) return;
     ChunkRows chunk_rows;
     for (int i = 0; i < c.part_count; ++i) {
       chunk_rows.begin[i] = c.parts[i].begin;
@@ -231,13 +242,6 @@ class ChunkedStep {
                            : TargetRowsSink{.f32 = grad_weight_f32_, .ld_w = ld_h},
                        stream_);
     first_weight_gemm_ = false;
-    offset = 0;
-    for (int i = 0; i < c.part_count; ++i) {
-      const RowRange& part = c.parts[i];
-      launch_grad_x_finish(grad_x_part_ + offset * ld_h, part.rows(), part.begin, H, ld_h, p_.weight, p_.target,
-                           rows_.target_coef, g_->grad_x, stream_);
-      offset += part.rows();
-    }
     if (g_->grad_bias)
       launch_bias_column_sums(dz_, ld_dz_, chunk_rows, V, 0, p_.target, rows_.target_coef, g_->grad_bias, stream_,
                               coefficients.dz_scale);
@@ -444,10 +448,12 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
     }
     // target_coef holds every row's coefficient now (row_coefficients_kernel, or each block's dz_kernel)
     launch_target_scatter(p.x, N, 0, H, ld_h, p.target, rows.target_coef, gw, nullptr, stream, v0, v0 + columns);
-    if (g.grad_weight_16bit) launch_round_to(gw, ld_h, columns, H, g.grad_weight_16bit + v0 * H, stream);
+    if (g.grad_weight_16bit)
+      launch_round_to(gw, ld_h, columns, H, g.grad_weight_16bit + v0 * H, stream,
+                      g.grad_weight_lo != nullptr ? g.grad_weight_lo + v0 * H : nullptr);
   }
-  launch_grad_x_finish(grad_x_sum, N, 0, H, ld_h, p.weight, p.target, rows.target_coef, g.grad_x, stream);
-  if (g.grad_bias && g.grad_bias_16bit) launch_round_to(g.grad_bias, V, 1, V, g.grad_bias_16bit, stream);
+  launch_grad_x_finish(grad_x_sum, N, 0, H, ld_h, p.weight, p.target, rows.target_coef, g.grad_x, stream, g.grad_x_lo);
+  if (g.grad_bias && g.grad_bias_16bit) launch_round_to(g.grad_bias, V, 1, V, g.grad_bias_16bit, stream, g.grad_bias_lo);
 }
 
 const char* accumulator_purpose(StepPlan::GradWeight form) {
@@ -512,9 +518,12 @@ template <class T>
 RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_t<DeviceGradientsOf<T>>* g,
                           const Options& options, const Tuning& tuning) {
   if (p.ld_h != padded(p.shape.H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
-  if (g && !g->grad_weight_16bit && !g->grad_weight)
-    throw CudaError("DeviceGradients: neither grad_weight nor grad_weight_16bit is set");
-  const GradientOutputs outputs{.grad_weight_f32 = g && g->grad_weight, .grad_weight_16bit = g && g->grad_weight_16bit};
+  if (g && !g->grad_x && !g->grad_weight_16bit && !g->grad_weight)
+    throw CudaError("DeviceGradients: no gradient output is set (forward only: pass no DeviceGradients)");
+  const GradientOutputs outputs{.grad_x = g && g->grad_x,
+                                .grad_weight_f32 = g && g->grad_weight,
+                                .grad_weight_16bit = g && g->grad_weight_16bit,
+                                .grad_weight_lo = g && g->grad_weight_lo};
   report_ = RunReport{plan_step(p.shape, dtype_of<T>(), options, device_features(), g ? &outputs : nullptr, tuning)};
   const StepPlan& plan = report_;
 

@@ -249,11 +249,12 @@ template <bool kVector, class T>
 __global__ void __launch_bounds__(kRowThreads) grad_x_finish_kernel(const float* part, std::int64_t row_begin,
                                                                    std::int64_t H, std::int64_t ld_h, const T* weight,
                                                                    const std::int64_t* target, const float* coef,
-                                                                   T* out) {
+                                                                   T* out, T* out_lo) {
   const std::int64_t local = blockIdx.x, r = row_begin + local;
   const float c = coef[r];
   const float* in = part + local * ld_h;
   T* dst = out + r * H;
+  T* dst_lo = out_lo != nullptr ? out_lo + r * H : nullptr;
   // c is 0 on ignored rows (whose target is not a valid row of W) and wherever k is 0.
   const T* w = c != 0.0f ? weight + target[r] * ld_h : nullptr;
   if constexpr (kVector) {
@@ -266,13 +267,14 @@ __global__ void __launch_bounds__(kRowThreads) grad_x_finish_kernel(const float*
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] += c * wv[i];
       }
-      store8(dst + h, v);
+      store8_hilo(dst + h, dst_lo != nullptr ? dst_lo + h : nullptr, v);
     }
   } else {
     for (std::int64_t h = threadIdx.x; h < H; h += kRowThreads) {
       float v = in[h];
       if (w) v += c * to_float(w[h]);
       dst[h] = from_float<T>(v);
+      if (dst_lo) dst_lo[h] = from_float<T>(v - to_float(dst[h]));
     }
   }
 }
@@ -416,18 +418,33 @@ __global__ void __launch_bounds__(kRowThreads) hilo_tail_kernel(std::int64_t row
 
 template <bool kVector, class T>
 __global__ void __launch_bounds__(kRowThreads) round_to_kernel(const float* in, std::int64_t ld_in, std::int64_t cols,
-                                                              T* out) {
+                                                              T* out, T* out_lo) {
   const std::int64_t r = blockIdx.x;
   const float* src = in + r * ld_in;
   T* dst = out + r * cols;
+  T* dst_lo = out_lo != nullptr ? out_lo + r * cols : nullptr;
   if constexpr (kVector) {
     for (std::int64_t c = std::int64_t(threadIdx.x) * 8; c < cols; c += kRowThreads * 8) {
       float v[8];
       load8(src + c, v);
-      store8(dst + c, v);
+      store8_hilo(dst + c, dst_lo != nullptr ? dst_lo + c : nullptr, v);
     }
   } else {
-    for (std::int64_t c = threadIdx.x; c < cols; c += kRowThreads) dst[c] = from_float<T>(src[c]);
+    for (std::int64_t c = threadIdx.x; c < cols; c += kRowThreads) {
+      dst[c] = from_float<T>(src[c]);
+      if (dst_lo) dst_lo[c] = from_float<T>(src[c] - to_float(dst[c]));
+    }
+  }
+}
+
+// hi + lo is exact in fp32 (lo is hi's residue, at most half its ulp), and the product is taken in double, so the one
+// rounding that matters is the last (an f32 output, which has no residue, is rounded twice: ~1 u32 more).
+template <class T>
+__global__ void scale_kernel(const T* hi, const T* lo, std::int64_t n, double scale, T* out) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float v = lo != nullptr ? to_float(hi[i]) + to_float(lo[i]) : to_float(hi[i]);
+    out[i] = from_float<T>(static_cast<float>(scale * static_cast<double>(v)));
   }
 }
 
@@ -506,14 +523,14 @@ void launch_row_coefficients(std::int64_t N, const std::int64_t* target, std::in
 template <class T>
 void launch_grad_x_finish(const float* part, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
                           std::int64_t ld_h, const T* weight, const std::int64_t* target, const float* target_coef,
-                          T* out, cudaStream_t stream) {
+                          T* out, cudaStream_t stream, T* out_lo) {
   if (rows == 0) return;
   if (H % 8 == 0)  // then every output row starts 16-byte aligned
     grad_x_finish_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(part, row_begin, H, ld_h, weight,
-                                                                             target, target_coef, out);
+                                                                             target, target_coef, out, out_lo);
   else
     grad_x_finish_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(part, row_begin, H, ld_h, weight,
-                                                                              target, target_coef, out);
+                                                                              target, target_coef, out, out_lo);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -539,12 +556,20 @@ void launch_bias_column_sums(const T* dz, std::int64_t ld_dz, const ChunkRows& r
 
 template <class T>
 void launch_round_to(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols, T* out,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, T* lo) {
   if (rows == 0 || cols == 0) return;
   if (cols % 8 == 0)
-    round_to_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
+    round_to_kernel<true><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out, lo);
   else
-    round_to_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out);
+    round_to_kernel<false><<<grid_rows(rows), kRowThreads, 0, stream>>>(in, ld_in, cols, out, lo);
+  SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void launch_scale(const T* hi, const T* lo, std::int64_t n, double scale, T* out, cudaStream_t stream) {
+  if (n == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((n + 255) / 256, 132 * 32));
+  scale_kernel<<<blocks, 256, 0, stream>>>(hi, lo, n, scale, out);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -573,12 +598,13 @@ void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_en
   template void launch_dz<T>(const LogitRowsOf<T>&, const CoefficientParams&, const float*, const float*,            \
                              const float*, T*, std::int64_t, float*, cudaStream_t);                                  \
   template void launch_grad_x_finish<T>(const float*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,        \
-                                        const T*, const std::int64_t*, const float*, T*, cudaStream_t);              \
+                                        const T*, const std::int64_t*, const float*, T*, cudaStream_t, T*);          \
   template void launch_bias_column_sums<T>(const T*, std::int64_t, const ChunkRows&, std::int64_t, std::int64_t,     \
                                            const std::int64_t*, const float*, float*, cudaStream_t, float);          \
   template void launch_target_rows<T>(const T*, std::int64_t, std::int64_t, const ChunkRows&, const std::int64_t*,   \
                                       const float*, const TargetRowsSink&, cudaStream_t);                            \
-  template void launch_round_to<T>(const float*, std::int64_t, std::int64_t, std::int64_t, T*, cudaStream_t);
+  template void launch_round_to<T>(const float*, std::int64_t, std::int64_t, std::int64_t, T*, cudaStream_t, T*);    \
+  template void launch_scale<T>(const T*, const T*, std::int64_t, double, T*, cudaStream_t);
 SIMPO_ROW_KERNELS_FOR(__nv_bfloat16)
 SIMPO_ROW_KERNELS_FOR(__half)
 SIMPO_ROW_KERNELS_FOR(float)

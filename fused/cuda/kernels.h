@@ -112,11 +112,12 @@ void launch_row_coefficients(std::int64_t N, const std::int64_t* target, std::in
                              float* target_coef, cudaStream_t);
 
 // grad_x rows = T(GEMM result + target_coef[r] * W[target[r]]): the exact target term added in fp32, then
-// one rounding. grad_x_part is [rows, ld_h] fp32; grad_x_out the [N, H] output.
+// one rounding. grad_x_part is [rows, ld_h] fp32; grad_x_out the [N, H] output; grad_x_lo (or null) its rounding
+// residue T(v - T(v)) (fused.h: DeviceCall::grad_x_lo).
 template <class T>
 void launch_grad_x_finish(const float* grad_x_part, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
                           std::int64_t ld_h, const T* weight, const std::int64_t* target, const float* target_coef,
-                          T* grad_x_out, cudaStream_t);
+                          T* grad_x_out, cudaStream_t, T* grad_x_lo = nullptr);
 
 // The target term of the weight and bias gradients: grad_weight[target[r]] += c[r] x[r], grad_bias[target[r]]
 // += c[r] (grad_weight and grad_bias may each be null), fp32 atomics (rows sharing a target add into one row).
@@ -163,8 +164,14 @@ void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_en
                       const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
                       __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t);
 
-// out[r, c] = T(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] one (T = float: a copy).
+// out[r, c] = T(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] one (T = float: a copy), and
+// where lo is not null the residue lo[r, c] = T(in - T(in)).
 template <class T>
-void launch_round_to(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols, T* out, cudaStream_t);
+void launch_round_to(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t cols, T* out, cudaStream_t,
+                     T* lo = nullptr);
+
+// out[i] = T(scale (hi[i] + lo[i])) (lo null: T(scale hi[i])), i < n; out may be hi (fused.h: scale_gradient_on_device).
+template <class T>
+void launch_scale(const T* hi, const T* lo, std::int64_t n, double scale, T* out, cudaStream_t);
 
 }  // namespace simpo::fused::cuda

@@ -193,7 +193,8 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
 
   // The low-memory schedule: below one pair's rows, the backward goes a vocabulary slice at a time.
   const bool low_memory_possible =
-      gradients && statistics_in_epilogue && tuning.low_memory != Tuning::LowMemory::never &&
+      gradients && outputs->grad_x && (outputs->grad_weight_f32 || outputs->grad_weight_16bit) &&
+      statistics_in_epilogue && tuning.low_memory != Tuning::LowMemory::never &&
       (tuning.low_memory == Tuning::LowMemory::always || rows_fitting(layout_for(distances, distances)) < 2 * T);
   if (low_memory_possible) {
     const Layout fixed = fixed_layout(s, budget, /*gradients=*/true, tiles, 4, element);
@@ -241,11 +242,13 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
   Layout layout = layout_for(plan.epilogue_statistics, distances);
 
   if (gradients) {
-    if (!outputs->grad_weight_16bit) {
+    if (!outputs->grad_weight_16bit && !outputs->grad_weight_f32) {
+      plan.grad_weight = StepPlan::GradWeight::none;
+    } else if (!outputs->grad_weight_16bit) {
       plan.grad_weight = StepPlan::GradWeight::f32_output;
     } else if (device.sm90_kernels && H % 8 == 0) {  // the hi/lo GEMM's TMA rows of hi are the output's H columns
       plan.grad_weight = StepPlan::GradWeight::hilo;
-      plan.accumulator_bytes = V * H * 2;
+      plan.accumulator_bytes = outputs->grad_weight_lo ? 0 : V * H * 2;
     } else if (outputs->grad_weight_f32) {
       plan.grad_weight = StepPlan::GradWeight::f32_caller;
     } else {

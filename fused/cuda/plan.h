@@ -97,8 +97,11 @@ LogitsGemm logits_gemm(std::int64_t H, DType input, const Options&, const Device
 
 // The gradient outputs a caller gives the runner (device_fused.h, DeviceGradients).
 struct GradientOutputs {
+  bool grad_x = true;             // false: no grad_x (a frozen x)
+  // Neither of these two: no grad_weight (a frozen LM head).
   bool grad_weight_f32 = false;   // an fp32 [V, ld_h] grad_weight (the output, or a buffer to accumulate in)
   bool grad_weight_16bit = false;  // a [V, H] grad_weight output in the inputs' 16-bit dtype (bf16 or f16)
+  bool grad_weight_lo = false;     // the caller's [V, H] residue buffer: the hi/lo pair's lo, not the runner's
 };
 
 // A named piece of the workspace: [offset, offset + bytes), which may overlap the region named `shares_with`

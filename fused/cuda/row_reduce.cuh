@@ -74,6 +74,17 @@ __device__ inline void store8(float* out, const float v[8]) {
   *reinterpret_cast<float4*>(out + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// Eight values rounded into hi and, where lo is not null, their residues v - hi rounded into lo.
+template <class T>
+__device__ inline void store8_hilo(T* hi, T* lo, const float v[8]) {
+  store8(hi, v);
+  if (lo == nullptr) return;
+  float residue[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) residue[i] = v[i] - to_float(from_float<T>(v[i]));  // exact in fp32 (Sterbenz)
+  store8(lo, residue);
+}
+
 // Eight fp32 logits plus, with a bias (the inputs' dtype), eight biases.
 template <bool kBias, class B>
 __device__ inline void load8(const float* row, const B* bias, std::int64_t v, float z[8]) {

@@ -57,9 +57,13 @@ def check_tensors(x, weight, target, bias):
     return B, T, H, V
 
 
-def compute(x, weight, target, bias, meta, *, gradients=True, grad_f32=False, validate=True,
-            workspace_bytes, max_chunk_rows=0):
-    """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors."""
+def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_weight=True, residues=False,
+            grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0):
+    """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors.
+
+    grad_x / grad_weight False: that gradient (grad_weight with grad_bias) is neither computed nor returned (a frozen
+    input). residues: 16-bit gradients also get their rounding residues, in info["residues"] (same names), for
+    scale_gradient."""
     import torch
 
     if not _core.has_device_entry():
@@ -72,11 +76,18 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_f32=False, va
     bias = bias.detach().contiguous() if bias is not None else None
     # SPEC: gradients in the inputs' dtype; grad_weight and grad_bias in float32 when asked for.
     gdtype = torch.float32 if grad_f32 else x.dtype
+    want_x, want_weight = gradients and grad_x, gradients and grad_weight
     grad_x = grad_w = grad_b = None
-    if gradients:
+    if want_x:
         grad_x = torch.empty((B, T, H), dtype=x.dtype, device=dev)
+    if want_weight:
         grad_w = torch.empty((V, H), dtype=gdtype, device=dev)
         grad_b = torch.empty((V,), dtype=gdtype, device=dev) if bias is not None else None
+    lo = {}
+    if residues and gradients:
+        for name, g in (("grad_x", grad_x), ("grad_weight", grad_w), ("grad_bias", grad_b)):
+            if g is not None and g.dtype != torch.float32:
+                lo[name] = torch.empty_like(g)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
@@ -84,16 +95,29 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_f32=False, va
             "B": B, "T": T, "H": H, "V": V, "dtype": _dtype_name(x), "device": dev.index if dev.index is not None else torch.cuda.current_device(),
             "stream": stream, "x": ptr(x), "weight": ptr(weight), "bias": ptr(bias), "target": ptr(target),
             "grad_x": ptr(grad_x), "grad_weight": ptr(grad_w), "grad_bias": ptr(grad_b), "metadata": meta,
-            "gradients": gradients, "grad_f32": grad_f32, "validate": validate,
+            "grad_x_lo": ptr(lo.get("grad_x")), "grad_weight_lo": ptr(lo.get("grad_weight")),
+            "grad_bias_lo": ptr(lo.get("grad_bias")),
+            "gradients": gradients, "grad_x": want_x, "grad_weight": want_weight, "grad_f32": grad_f32,
+            "validate": validate,
             "workspace_bytes": workspace_bytes, "max_chunk_rows": max_chunk_rows,
         })
     from ._arrays import from_wire
 
     out = {name: from_wire(w, like=x) for name, w in r["outputs"].items()}
-    if gradients:
-        out["grad_x"] = grad_x
-        out["grad_weight"] = grad_w
-        if grad_b is not None:
-            out["grad_bias"] = grad_b
+    for name, g in (("grad_x", grad_x), ("grad_weight", grad_w), ("grad_bias", grad_b)):
+        if g is not None:
+            out[name] = g
     last_info.update(workspace_bytes=r["workspace_bytes"], extra_device_bytes=r["extra_device_bytes"])
-    return out, dict(last_info)
+    return out, dict(last_info, residues=lo)
+
+
+def scale_gradient(hi, lo, scale):
+    """A new tensor T(scale (hi + lo)) on hi's device and current stream: one rounding (lo None: T(scale hi))."""
+    import torch
+
+    out = torch.empty_like(hi)
+    dev = hi.device
+    with torch.cuda.device(dev):
+        _core.scale_gradient(_dtype_name(hi), hi.data_ptr(), 0 if lo is None else lo.data_ptr(), hi.numel(),
+                             float(scale), out.data_ptr(), dev.index, torch.cuda.current_stream(dev).cuda_stream)
+    return out

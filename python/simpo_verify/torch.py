@@ -8,11 +8,12 @@
 Backends: CUDA tensors run the fused cuda backend on the device, ordered on torch's current stream, with no copy
 through the host (the targets, B*T int64, are read by the host for validation and the per-sequence math); CPU
 tensors run the fused cpu backend. Gradients come from autograd: the forward computes them (3 GEMMs, as Liger
-does) when any input requires grad and grad mode is on (under torch.no_grad() or torch.inference_mode() the
-forward-only schedule runs: one GEMM), and backward hands them over scaled by grad_output, which is SPEC's
-grad_scale: for grad_output == 1 (loss.backward()) the saved gradients are returned as computed; any other
-grad_output reruns the kernel with grad_scale = grad_output, so the result is SPEC's for that scale and never a
-bf16 gradient rounded a second time.
+does) for the inputs that require grad when grad mode is on: a frozen input (requires_grad False: a LoRA model's LM
+head, frozen hidden states) costs no gradient GEMM, and under torch.no_grad() or torch.inference_mode() the
+forward-only schedule runs (one GEMM). backward hands them over scaled by grad_output, which is SPEC's grad_scale:
+for grad_output == 1 (loss.backward()) as computed; for any other (gradient accumulation's loss / n, a loss weight,
+a sign) the forward kept each 16-bit gradient's rounding residue, and backward returns T(grad_output (hi + lo)),
+one rounding as if the step had run at that scale, with no second kernel run (CPU tensors recompute instead).
 
 Dtype policy: x, weight and bias share one dtype, torch.bfloat16, torch.float16 or torch.float32 (SPEC's input
 dtypes), computed in that dtype, never converted: bf16 on the sm_90a kernels, f16 on the tensor cores through
@@ -36,16 +37,17 @@ from ._arrays import InputError, metadata
 __all__ = ["FusedLinearSimPOLoss", "fused_linear_simpo", "InputError"]
 
 
-def _run(_input, weight, target, bias, hp, gradients, workspace_bytes):
-    """-> dict of SPEC outputs as torch tensors on the inputs' device."""
+def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True):
+    """-> (dict of SPEC outputs as torch tensors on the inputs' device, dict of the 16-bit gradients' rounding
+    residues: cuda only, for _scaled)."""
     if _input.is_cuda:
-        out, _ = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients,
-                                 workspace_bytes=workspace_bytes)
-        return out
+        out, info = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients, grad_x=grad_x,
+                                    grad_weight=grad_weight, residues=gradients, workspace_bytes=workspace_bytes)
+        return out, info["residues"]
     _device.check_tensors(_input, weight, target, bias)
     return _compute(_input.detach(), weight.detach(), target.detach(),
                     bias.detach() if bias is not None else None, impl="cpu", gradients=gradients,
-                    workspace_bytes=workspace_bytes, **hp)
+                    workspace_bytes=workspace_bytes, **hp), {}
 
 
 _AUX = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss", "chosen_rewards",
@@ -65,25 +67,34 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, _input, weight, target, bias, hp, workspace_bytes):
         _check_dtypes(_input, weight, target, bias)
-        gradients = any(ctx.needs_input_grad[i] for i in (0, 1, 3))
-        out = _run(_input, weight, target, bias, hp, gradients, workspace_bytes)
+        # A frozen input (requires_grad False: LoRA's LM head, frozen hidden states) gets no gradient GEMM.
+        want_x = ctx.needs_input_grad[0]
+        want_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
+        gradients = want_x or want_weight
+        out, residues = _run(_input, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight)
         ctx.hp, ctx.workspace_bytes = hp, workspace_bytes
         ctx.has_bias = bias is not None
         if gradients:
-            ctx.save_for_backward(_input, weight, target, bias, out["grad_x"], out["grad_weight"],
-                                  out.get("grad_bias"))
+            names = ("grad_x", "grad_weight", "grad_bias")
+            ctx.save_for_backward(_input, weight, target, bias, *(out.get(n) for n in names),
+                                  *(residues.get(n) for n in names))
         aux = tuple(out[k] for k in _AUX)
         ctx.mark_non_differentiable(*aux)
         return (out["loss"],) + aux
 
     @staticmethod
     def backward(ctx, grad_loss, *_aux_grads):
-        _input, weight, target, bias, grad_x, grad_weight, grad_bias = ctx.saved_tensors
+        _input, weight, target, bias, grad_x, grad_weight, grad_bias, x_lo, w_lo, b_lo = ctx.saved_tensors
         scale = float(grad_loss)  # one scalar read; the forward already synchronized
-        if scale != 1.0:  # SPEC's grad_scale: recompute rather than round bf16 gradients twice
+        if scale != 1.0 and _input.is_cuda:
+            # SPEC's grad_scale = grad_output, from the kept rounding residues: T(scale (hi + lo)), one rounding,
+            # no second kernel run (gradient accumulation's loss / n, a loss weight, a negative sign).
+            grad_x, grad_weight, grad_bias = (_device.scale_gradient(g, lo, scale) if g is not None else None
+                                              for g, lo in ((grad_x, x_lo), (grad_weight, w_lo), (grad_bias, b_lo)))
+        elif scale != 1.0:  # the cpu backend keeps no residues: it recomputes with grad_scale (exact, slower)
             hp = dict(ctx.hp)
             hp["grad_scale"] = hp.get("grad_scale", 1.0) * scale
-            out = _run(_input, weight, target, bias, hp, True, ctx.workspace_bytes)
+            out, _ = _run(_input, weight, target, bias, hp, True, ctx.workspace_bytes)
             grad_x, grad_weight, grad_bias = out["grad_x"], out["grad_weight"], out.get("grad_bias")
         return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None, None,
                 grad_bias if ctx.has_bias and ctx.needs_input_grad[3] else None, None, None)
@@ -109,7 +120,7 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
         # no_grad / inference_mode (an evaluation loop): the forward-only schedule, one GEMM instead of three,
         # whatever requires_grad says (autograd.Function.forward cannot see the caller's grad mode).
         _check_dtypes(_input, weight, target, bias)
-        out = _run(_input, weight, target, bias, hp, False, workspace_bytes)
+        out, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes)
         return out["loss"], tuple(out[k] for k in _AUX)
     loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes)
     return loss, tuple(aux)

@@ -445,9 +445,14 @@ NB_MODULE(_core, m) {
     c.grad_x = nb::cast<std::uintptr_t>(args["grad_x"]);
     c.grad_weight = nb::cast<std::uintptr_t>(args["grad_weight"]);
     c.grad_bias = nb::cast<std::uintptr_t>(args["grad_bias"]);
+    c.grad_x_lo = nb::cast<std::uintptr_t>(args["grad_x_lo"]);
+    c.grad_weight_lo = nb::cast<std::uintptr_t>(args["grad_weight_lo"]);
+    c.grad_bias_lo = nb::cast<std::uintptr_t>(args["grad_bias_lo"]);
     c.options = fused_options("cuda", nb::cast<bool>(args["gradients"]), nb::cast<bool>(args["grad_f32"]),
                               nb::cast<bool>(args["validate"]), nb::cast<std::int64_t>(args["workspace_bytes"]),
                               nb::cast<std::int64_t>(args["max_chunk_rows"]));
+    c.options.grad_x = nb::cast<bool>(args["grad_x"]);
+    c.options.grad_weight = nb::cast<bool>(args["grad_weight"]);
     c.keep_workspace = true;  // the torch module calls once per step
     simpo::fused::DeviceResult r;
     {
@@ -461,6 +466,13 @@ NB_MODULE(_core, m) {
     d["plan"] = r.plan;
     return d;
   }, "args"_a);
+
+  // A device gradient and its rounding residue scaled with one rounding (fused::scale_gradient_on_device).
+  m.def("scale_gradient", [](const std::string& dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n,
+                             double scale, std::uintptr_t out, int device, std::uintptr_t stream) {
+    nb::gil_scoped_release release;
+    simpo::fused::scale_gradient_on_device(simpo::input_dtype_from_name(dtype), hi, lo, n, scale, out, device, stream);
+  }, "dtype"_a, "hi"_a, "lo"_a, "n"_a, "scale"_a, "out"_a, "device"_a, "stream"_a);
 
   m.def("reference", [](const Problem& p, bool gradients) {
     simpo::reference::Options o;
