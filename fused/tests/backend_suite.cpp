@@ -105,6 +105,29 @@ TEST(SIMPO_SUITE(Features), Bias) {
   check_case(spec, backend_options());
 }
 
+// A frozen input (Options::grad_x / grad_weight false) gets no gradient output, and the outputs that remain are the
+// full step's bits (the skipped GEMMs feed nothing else); asking for gradients of neither is an InputError.
+TEST(SIMPO_SUITE(Features), FrozenInputsGetNoGradientAndChangeNothingElse) {
+  SKIP_WITHOUT_BACKEND();
+  CaseSpec spec = spec_of(feature_shape, 2.0, 29);
+  spec.bias = true;
+  const Problem problem = generate(spec);
+  const Options full = backend_options();
+  const TensorMap all = compute(problem, full);
+  for (const bool x_only : {false, true}) {
+    SCOPED_TRACE(x_only ? "frozen LM head" : "frozen x");
+    Options frozen = full;
+    frozen.grad_x = x_only;
+    frozen.grad_weight = !x_only;
+    const TensorMap out = compute(problem, frozen);
+    expect_dtypes(out, problem, frozen);
+    for (const auto& [name, t] : out) EXPECT_EQ(t.bytes, all.at(name).bytes) << name;
+  }
+  Options neither = full;
+  neither.grad_x = neither.grad_weight = false;
+  EXPECT_THROW(compute(problem, neither), InputError);
+}
+
 TEST(SIMPO_SUITE(Features), LabelSmoothing) {
   SKIP_WITHOUT_BACKEND();
   CaseSpec spec = spec_of(feature_shape, 2.0, 22);

@@ -47,8 +47,11 @@ inline void expect_dtypes(const TensorMap& out, const Problem& problem, const Op
   const DType grad_dtype = options.grad_weight_f32 ? DType::F32 : problem.input_dtype();
   for (const auto& name : all_output_names()) {
     const bool present = out.count(name) > 0;
-    const bool wanted = !is_gradient_output(name) ||
-                        (options.gradients && (name != output_name::grad_bias || problem.has_bias()));
+    const bool wanted =
+        !is_gradient_output(name) ||
+        (options.gradients && (name == output_name::grad_x ? options.grad_x
+                                                           : options.grad_weight &&
+                                                                 (name != output_name::grad_bias || problem.has_bias())));
     EXPECT_EQ(present, wanted) << name;
     if (!present) continue;
     const Tensor& t = out.at(name);

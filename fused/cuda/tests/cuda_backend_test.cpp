@@ -426,6 +426,71 @@ TEST(CudaBackendFeatures, RerunsAreBitIdentical) {
     }
 }
 
+// The rounding residues (DeviceCall::grad_*_lo) and scale_gradient_on_device, what the torch module's backward does
+// with a grad_output s: T(s (hi + lo)) is the step run at grad_scale s up to the one rounding (the two runs' fp32
+// sums differ only by s's exact scaling and fp32 noise), so it meets the bar against the reference at s and agrees
+// with the direct run to fp32 noise; bf16 (the hi/lo pair's lo is the caller's buffer) and f16 (an fp32 accumulator
+// rounded with its residue).
+TEST(CudaBackendFeatures, ResiduesScaleGradientsWithOneRounding) {
+  SKIP_WITHOUT_DEVICE();
+  for (const DType dtype : {DType::BF16, DType::F16}) {
+    CaseSpec spec = spec_of({.B = 4, .T = 64, .H = 96, .V = 304}, 2.0, 61);
+    spec.bias = true;
+    spec.dtype = dtype;
+    const Problem problem = generate(spec);
+    const Shape& s = problem.shape;
+    const std::int64_t N = s.N(), H = s.H, V = s.V, e = static_cast<std::int64_t>(dtype_size(dtype));
+    auto upload = [](const InputValues& v, const char* name) {
+      return v.visit([&](const auto& values) {
+        cuda::DeviceBuffer d(values.size() * sizeof(values[0]), name);
+        EXPECT_EQ(cudaSuccess, cudaMemcpy(d.get(), values.data(), d.bytes(), cudaMemcpyHostToDevice));
+        return d;
+      });
+    };
+    const cuda::DeviceBuffer x = upload(problem.x, "x"), w = upload(problem.weight, "weight"),
+                       b = upload(*problem.bias, "bias"), t(static_cast<std::size_t>(N * 8), "target");
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(t.get(), problem.target.data(), N * 8, cudaMemcpyHostToDevice));
+    std::map<std::string, cuda::DeviceBuffer> hi, lo;
+    const std::map<std::string, std::int64_t> sizes = {{output_name::grad_x, N * H},
+                                                       {output_name::grad_weight, V * H},
+                                                       {output_name::grad_bias, V}};
+    for (const auto& [name, n] : sizes) {
+      hi.emplace(name, cuda::DeviceBuffer(static_cast<std::size_t>(n * e), name.c_str()));
+      lo.emplace(name, cuda::DeviceBuffer(static_cast<std::size_t>(n * e), name.c_str()));
+    }
+    auto at = [](const cuda::DeviceBuffer& d) { return reinterpret_cast<std::uintptr_t>(d.get()); };
+    DeviceCall call;
+    call.shape = s;
+    call.hp = problem.hp;
+    call.input_dtype = dtype;
+    call.x = at(x), call.weight = at(w), call.bias = at(b), call.target = at(t);
+    call.grad_x = at(hi.at(output_name::grad_x)), call.grad_weight = at(hi.at(output_name::grad_weight));
+    call.grad_bias = at(hi.at(output_name::grad_bias));
+    call.grad_x_lo = at(lo.at(output_name::grad_x)), call.grad_weight_lo = at(lo.at(output_name::grad_weight));
+    call.grad_bias_lo = at(lo.at(output_name::grad_bias));
+    call.options = cuda_options();
+    compute_on_device(call);
+    for (const double scale : {1.0 / 3.0, 0.25, 1e-4, -2.5}) {
+      SCOPED_TRACE(input_dtype_name(dtype) + ", grad_output " + std::to_string(scale));
+      TensorMap scaled;
+      for (const auto& [name, n] : sizes) {
+        cuda::DeviceBuffer out(static_cast<std::size_t>(n * e), name.c_str());
+        scale_gradient_on_device(dtype, at(hi.at(name)), at(lo.at(name)), n, scale, at(out), 0, 0);
+        Tensor host(dtype, output_shape(s, name));
+        ASSERT_EQ(cudaSuccess, cudaMemcpy(host.bytes.data(), out.get(), host.bytes.size(), cudaMemcpyDeviceToHost));
+        scaled[name] = std::move(host);
+      }
+      Problem at_scale = problem;
+      at_scale.hp.grad_scale = scale;
+      TensorMap direct = cuda::compute(at_scale, cuda_options()), exact = reference::compute(at_scale, {});
+      for (auto* m : {&direct, &exact})
+        for (auto it = m->begin(); it != m->end();) it = is_gradient_output(it->first) ? std::next(it) : m->erase(it);
+      expect_meets_bar(scaled, exact, spec.logit_scale, dtype);
+      expect_same_to_fp32_noise(scaled, direct, &exact);
+    }
+  }
+}
+
 // ---- schedules and budgets ----
 
 // Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows) needs ~147 MiB with fp32 logits and
