@@ -111,7 +111,22 @@ Report compare(const ProblemScales& scales, const reference::DeviceOutputs& exac
   return compare_outputs(profile, entries, has_exact, judge);
 }
 
+TensorMap to_host(const reference::DeviceOutputs& exact) {
+  TensorMap all = exact.host;
+  for (const auto& [name, g] : exact.gradients) {
+    Tensor t = Tensor::uninitialized(DType::F64, g.shape);
+    device::download(t.bytes.data(), g.data.get(), t.bytes.size(), g.device);
+    all[name] = std::move(t);
+  }
+  return all;
+}
+
 #else
+
+TensorMap to_host(const reference::DeviceOutputs& exact) {
+  if (!exact.gradients.empty()) throw InputError("exact gradients on the device: " + device_compare_unavailable_reason());
+  return exact.host;
+}
 
 std::string device_compare_unavailable_reason() {
   return "this build has no CUDA (no CUDA compiler was found when it was configured, or SIMPO_ENABLE_CUDA=OFF)";

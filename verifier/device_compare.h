@@ -36,4 +36,7 @@ std::string device_compare_unavailable_reason();
 // reference's. `scales` as compare() needs them (ProblemScales::of_forward, prepare_for).
 Report compare(const ProblemScales&, const reference::DeviceOutputs& exact, const MixedOutputs& candidate, const Profile&);
 
+// Every exact output on the host, the gradients downloaded (for a caller that asks for them as arrays).
+TensorMap to_host(const reference::DeviceOutputs&);
+
 }  // namespace simpo::verifier
