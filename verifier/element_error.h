@@ -1,18 +1,18 @@
 // The comparison's per-element arithmetic and its reductions' partial results, shared by the host loops
 // (compare.cpp) and the device kernels (device_compare.cu): one set of formulas, so a candidate judged on the
-// device is judged by the same rules as on the host. Compiles as plain C++ and as CUDA (no project headers: nvcc
-// never sees Eigen).
+// device is judged by the same rules as on the host. Compiles as plain C++ and as CUDA (no project types: nvcc never
+// sees Eigen).
 #pragma once
+
+#include "fused/host_device.h"
 
 #include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
-#define SIMPO_HOST_DEVICE __host__ __device__
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #else
-#define SIMPO_HOST_DEVICE
 #include <Eigen/Core>
 #endif
 

@@ -71,7 +71,9 @@ void expect_same_report(const Report& host, const Report& device) {
     expect_close("frob_bound", h.name, h.frob_bound, d.frob_bound, t);
     expect_close("margin", h.name, h.margin, d.margin, t);
     // The reason quotes sums to 3 digits: equal unless a sum sits on a printed digit's boundary.
-    if (h.verdict == Verdict::failed) EXPECT_EQ(h.reason, d.reason);
+    if (h.verdict == Verdict::failed) {
+      EXPECT_EQ(h.reason, d.reason);
+    }
   }
 }
 
