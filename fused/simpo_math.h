@@ -7,11 +7,7 @@
 // OpenMP loop) and call these on each element.
 #pragma once
 
-#if defined(__CUDACC__)
-#define SIMPO_HOST_DEVICE __host__ __device__
-#else
-#define SIMPO_HOST_DEVICE
-#endif
+#include "fused/host_device.h"
 
 #include <math.h>  // the C names (expf, log1p, ...) exist on both host and device; std:: overloads do not
 

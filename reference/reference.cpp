@@ -393,6 +393,26 @@ std::int64_t required_bytes(const Shape& s, bool bias, const Options& options) {
   return values * f64 * (options.gradients ? 2 : 1) + plan(s, options).buffer_rows * s.V * f64 + 7 * s.N() * f64;
 }
 
+namespace {
+// The forward outputs as SPEC names them; the rewards are beta times the log-probs.
+void add_forward_outputs(TensorMap& out, const ForwardOutputs& f, const Problem& problem) {
+  const Shape& s = problem.shape;
+  auto per_pair = [&](const std::vector<double>& values, double scale) {
+    std::vector<double> scaled(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) scaled[i] = scale * values[i];
+    return Tensor::from<double>({s.P()}, scaled);
+  };
+  out[output_name::loss] = Tensor::scalar(f.loss);
+  out[output_name::nll_loss] = Tensor::scalar(f.nll_loss);
+  out[output_name::chosen_logits_mean] = Tensor::scalar(f.chosen_logits_mean);
+  out[output_name::rejected_logits_mean] = Tensor::scalar(f.rejected_logits_mean);
+  out[output_name::chosen_logps] = per_pair(f.chosen_logps, 1.0);
+  out[output_name::rejected_logps] = per_pair(f.rejected_logps, 1.0);
+  out[output_name::chosen_rewards] = per_pair(f.chosen_logps, problem.hp.beta);
+  out[output_name::rejected_rewards] = per_pair(f.rejected_logps, problem.hp.beta);
+}
+}  // namespace
+
 TensorMap compute(const Problem& problem, const Options& options) {
   validate(problem);
   Options resolved = options;
@@ -435,19 +455,38 @@ TensorMap compute(const Problem& problem, const Options& options) {
   const ForwardOutputs f = compute_core({s, problem.hp, x, weight, bias, problem.target}, resolved, gradients);
 #endif
 
-  auto per_pair = [&](const std::vector<double>& values, double scale) {
-    std::vector<double> scaled(values.size());
-    for (std::size_t i = 0; i < values.size(); ++i) scaled[i] = scale * values[i];
-    return Tensor::from<double>({s.P()}, scaled);
-  };
-  out[output_name::loss] = Tensor::scalar(f.loss);
-  out[output_name::nll_loss] = Tensor::scalar(f.nll_loss);
-  out[output_name::chosen_logits_mean] = Tensor::scalar(f.chosen_logits_mean);
-  out[output_name::rejected_logits_mean] = Tensor::scalar(f.rejected_logits_mean);
-  out[output_name::chosen_logps] = per_pair(f.chosen_logps, 1.0);
-  out[output_name::rejected_logps] = per_pair(f.rejected_logps, 1.0);
-  out[output_name::chosen_rewards] = per_pair(f.chosen_logps, problem.hp.beta);
-  out[output_name::rejected_rewards] = per_pair(f.rejected_logps, problem.hp.beta);
+  add_forward_outputs(out, f, problem);
+  return out;
+}
+
+std::int64_t DeviceArray::numel() const {
+  std::int64_t n = 1;
+  for (const std::int64_t d : shape) n *= d;
+  return n;
+}
+
+DeviceOutputs compute_on_device(const Problem& problem, const Options& options) {
+  validate(problem);
+  if (!cuda_available()) throw InputError("the float64 reference on the device: " + cuda_unavailable_reason());
+  if (problem.input_dtype() != DType::BF16)
+    throw InputError("the float64 reference on cuda reads bf16 inputs; these are " + input_dtype_name(problem.input_dtype()) +
+                     " (the cpu reference reads every input dtype)");
+  DeviceOutputs out;
+#ifdef SIMPO_REFERENCE_HAVE_CUDA
+  Options resolved = options;
+  resolved.device = Device::cuda;
+  resolved.reproducible = false;
+  resolved.gradients = true;
+  cuda::KeptGradients kept;
+  const ForwardOutputs f = cuda::compute_core(problem, resolved, kept);
+  add_forward_outputs(out.host, f, problem);
+  const Shape& s = problem.shape;
+  out.gradients[output_name::grad_x] = {kept.x, output_shape(s, output_name::grad_x), kept.device};
+  out.gradients[output_name::grad_weight] = {kept.weight, output_shape(s, output_name::grad_weight), kept.device};
+  if (problem.bias) out.gradients[output_name::grad_bias] = {kept.bias, output_shape(s, output_name::grad_bias), kept.device};
+#else
+  (void)options;
+#endif
   return out;
 }
 

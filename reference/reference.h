@@ -5,6 +5,8 @@
 #include "problem/problem.h"
 
 #include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -67,6 +69,23 @@ int set_cpu_product_threads(int);
 // host figure, the bf16 inputs staged within it). compute() refuses (InputError naming the bytes) a run that
 // needs more than the machine (or the device) has, before allocating.
 std::int64_t required_bytes(const Shape&, bool bias, const Options& = {});
+
+// The float64 gradients left in device memory by reference-cuda, for the verifier's device comparison
+// (verifier/device_compare.h): at the published B = 2 grad_weight alone is 4.2 GB, which would otherwise cross to
+// the host to be compared there. The memory is freed with the last copy of `data`.
+struct DeviceArray {
+  std::shared_ptr<const double> data;  // a device pointer
+  std::vector<std::int64_t> shape;
+  int device = 0;  // the CUDA device ordinal that holds it
+  std::int64_t numel() const;
+};
+struct DeviceOutputs {
+  TensorMap host;                                // every output but the gradients, F64 (as compute() gives them)
+  std::map<std::string, DeviceArray> gradients;  // grad_x, grad_weight, and grad_bias with a bias
+};
+// compute() on reference-cuda with Options::gradients on and the gradients kept on the device (options.device is
+// ignored). InputError where reference-cuda cannot run here (naming why) or the inputs are not bf16.
+DeviceOutputs compute_on_device(const Problem&, const Options& = {});
 
 // Validates (simpo::validate) and computes SPEC's outputs: every tensor F64, grad_bias only with a bias.
 // When compute_nll_loss is on but there is no chosen completion token (allowed only with alpha = 0), nll_loss

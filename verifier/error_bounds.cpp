@@ -1,6 +1,7 @@
 // The error model's bounds: profiles, the problem's scales and the strict tolerances derived from them
 // (README "Error model"). compare.cpp measures a candidate against them; report_format.cpp prints the result.
 #include "verifier/error_model.h"
+#include "verifier/tensor_reductions.h"
 
 #include <nlohmann/json.hpp>
 
@@ -184,6 +185,12 @@ OffTarget off_target_mass(const Problem& p, double logprob_error) {
 }  // namespace
 
 ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact, const reference::OffTargetSoftmax* off_target) {
+  return exact ? of_forward(p, *exact, exact->count(output_name::grad_x) > 0, off_target) : of_forward(p, {}, false, nullptr);
+}
+
+ProblemScales ProblemScales::of_forward(const Problem& p, const TensorMap& forward, bool gradients,
+                                        const reference::OffTargetSoftmax* off_target) {
+  const TensorMap* exact = &forward;
   ProblemScales s;
   s.shape = p.shape;
   s.hp = p.hp;
@@ -216,9 +223,7 @@ ProblemScales ProblemScales::of(const Problem& p, const TensorMap* exact, const 
   s.logit_bound = max_x * max_w + max_bias;
 
   // The gradient magnitudes cost O(N H V) (off_target_mass): only when there are gradients to judge.
-  if (!exact || !exact->count(output_name::chosen_logps) || !exact->count(output_name::rejected_logps) ||
-      !exact->count(output_name::grad_x))
-    return s;
+  if (!gradients || !exact->count(output_name::chosen_logps) || !exact->count(output_name::rejected_logps)) return s;
   // k[r] from the exact averages (SPEC "Gradients"): the per-row factor of dz.
   const Tensor& c = exact->at(output_name::chosen_logps);
   const Tensor& rj = exact->at(output_name::rejected_logps);
@@ -393,14 +398,7 @@ StrictBounds strict_bounds(const ProblemScales& scales, const std::string& name,
   return b;
 }
 
-double round_to(DType dtype, double v) {
-  switch (dtype) {
-    case DType::BF16: return static_cast<double>(static_cast<float>(bf16(static_cast<float>(v))));
-    case DType::F16: return static_cast<double>(static_cast<float>(f16(static_cast<float>(v))));
-    case DType::F32: return static_cast<double>(static_cast<float>(v));
-    default: return v;
-  }
-}
+double round_to(DType dtype, double v) { return element::round_to(rounding_of(dtype), v); }
 
 namespace {
 // The bf16_logits profile's gradient terms for tensor `name` (0 under strict): the softmax perturbation (rms, joins
@@ -432,7 +430,16 @@ double gradient_elementwise_atol(const ProblemScales& scales, const std::string&
   return gradient_safety * (gradient_internal_error(scales, name) + softmax + k_error) + underflow;
 }
 
-double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double row_floor_abs, const Profile& profile) {
+// The row's own final rounding is that of the candidate's values, exact + internal error, not of the exact values
+// whose rounding the measured floor is: an internal error of half a spacing can carry an element across a
+// rounding boundary, a full spacing from exact where its floor is ~0. Over many elements the two roundings have
+// the same size; in a short row (H = 1: one element) the measured floor is no estimate of the candidate's, so the
+// row's rounding is at least its expected size, expected_rounding_error(dtype) ||exact row|| (rms; the small-sample
+// factor on top covers the worst case of one element, u |x| = 2.35 rms). Found by the cpu backend at H = 1 (sweep
+// seed 1206, case 1352: one element off by one bf16 spacing, its floor 0.06 spacings).
+double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double row_floor_abs, double row_exact_norm,
+                        DType candidate_dtype, const Profile& profile) {
+  row_floor_abs = std::max(row_floor_abs, expected_rounding_error(candidate_dtype) * row_exact_norm);
   const double H = static_cast<double>(scales.shape.H);
   const double e_l = scales.logprob_error(), W = scales.max_weight_norm;
   const double row_sample = 1 + small_sample / std::sqrt(H);

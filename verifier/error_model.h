@@ -125,6 +125,10 @@ struct ProblemScales {
   void prepare_for(const Profile&, const Problem&, const TensorMap& exact);
   static ProblemScales of(const Problem&, const TensorMap* exact = nullptr,
                           const reference::OffTargetSoftmax* off_target = nullptr);
+  // The same where the exact gradients are not in the map (kept on the device, reference::compute_on_device):
+  // `forward` holds the other outputs, `gradients` says whether gradients are judged.
+  static ProblemScales of_forward(const Problem&, const TensorMap& forward, bool gradients,
+                                  const reference::OffTargetSoftmax* off_target = nullptr);
 };
 
 // The Frobenius norm of the error an fp32-accumulating implementation with GEMM operands in the inputs' dtype may make in
@@ -149,8 +153,10 @@ double gradient_frob_bound_abs(const ProblemScales&, const std::string& name, do
                                const Profile& = strict_profile());
 //   the elementwise backstop (the whole internal budget on one element);
 double gradient_elementwise_atol(const ProblemScales&, const std::string& name, const Profile& = strict_profile());
-//   the bound for one token row of grad_x, from its own floor, k[row] and q[row].
-double grad_x_row_bound(const ProblemScales&, std::int64_t row, double row_floor_abs, const Profile& = strict_profile());
+//   the bound for one token row of grad_x, from its own floor and exact norm (the candidate's own rounding: at least
+//   its expected size, error_bounds.cpp), k[row] and q[row].
+double grad_x_row_bound(const ProblemScales&, std::int64_t row, double row_floor_abs, double row_exact_norm,
+                        DType candidate_dtype, const Profile& = strict_profile());
 // v rounded to dtype (round to nearest even): what the floor is measured with.
 double round_to(DType, double v);
 

@@ -89,7 +89,10 @@ def _is_path(a):
 
 
 def _inputs_problem(inputs):
-    """An inputs file path, or a dict with x, weight, target, optional bias, and any hyperparameters."""
+    """An inputs file path, a dict with x, weight, target, optional bias, and any hyperparameters, or a Problem
+    the extension already holds (e.g. from _core.generate: no copy through arrays)."""
+    if isinstance(inputs, _core.Problem):
+        return inputs
     if _is_path(inputs):
         return _core.load_problem(os.fspath(inputs))
     if not isinstance(inputs, dict):
@@ -118,26 +121,55 @@ def reference(inputs, *, gradients=True):
 
 class Judge:
     """The reference's outputs and the error model's scales for one problem, computed once, for judging many
-    candidates of it (check() makes one per call). Judge(inputs).check(candidate, profile="strict") -> Report."""
+    candidates of it (check() makes one per call). Judge(inputs).check(candidate, profile="strict") -> Report.
+
+    Where the reference runs on the GPU (reference-cuda built, a device present, bf16 inputs large enough for
+    --reference auto to pick it), its float64 gradients stay on the device and candidates are compared there: a
+    candidate's CUDA arrays (torch, or any DLPack CUDA array) are read in place, host arrays are uploaded; only the
+    per-tensor summaries come back (on_device says which). `exact` downloads the gradients on first use."""
 
     def __init__(self, inputs, *, gradients=True, exact=None):
         self.problem = _inputs_problem(inputs)
         self.gradients = gradients
+        self._exact = None
         if exact is None:  # the reference here: its dz pass gives the scales the softmax norms (O(N), not O(N H V))
             self._judge = _core.Judge(self.problem, gradients)
-            wire = self._judge.exact()
         else:
             wire = {k: to_wire(k, v) for k, v in exact.items() if gradients or not k.startswith("grad_")}
             self._judge = _core.Judge(self.problem, wire)
-        self.exact = {k: from_wire(w) for k, w in wire.items()}
+            self._exact = {k: from_wire(w) for k, w in wire.items()}
+
+    @property
+    def on_device(self) -> bool:
+        """The reference's gradients are on the GPU and candidates are compared there."""
+        return self._judge.on_device()
+
+    @property
+    def exact(self) -> dict:
+        if self._exact is None:
+            self._exact = {k: from_wire(w) for k, w in self._judge.exact().items()}
+        return self._exact
+
+    def prepare(self, profile):
+        """Measures what `profile` needs of the problem now rather than at its first check (bf16_logits: fp32
+        logits on the host, O(N H V))."""
+        self._judge.prepare(profile)
 
     def check(self, candidate, profile="strict", *, rtol=None, atol=None) -> "Report":
+        device = {}
+        if isinstance(candidate, dict) and self._judge.on_device():
+            from ._arrays import to_torch
+
+            device = {k: to_torch(v).detach().contiguous() for k, v in candidate.items() if is_cuda(v)}
+            candidate = {k: v for k, v in candidate.items() if k not in device}
+        if not self.gradients:
+            device = {k: v for k, v in device.items() if not k.startswith("grad_")}
         cand = _outputs_wire(candidate, "candidate")
         if not self.gradients:
             cand = {k: v for k, v in cand.items() if not k.startswith("grad_")}
         if rtol is not None or atol is not None:
-            return Report(self._judge.check(cand, "user", float(rtol or 0.0), float(atol or 0.0)))
-        return Report(self._judge.check(cand, profile))
+            return Report(self._judge.check(cand, device, "user", float(rtol or 0.0), float(atol or 0.0)))
+        return Report(self._judge.check(cand, device, profile))
 
 
 class Report:

@@ -5,6 +5,7 @@
 #include "fused/fused.h"
 #include "problem/problem_io.h"
 #include "reference/reference.h"
+#include "verifier/device_compare.h"
 #include "verifier/error_model.h"
 #include "verifier/implementation.h"
 #include "verifier/properties.h"
@@ -21,6 +22,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <cstring>
@@ -317,36 +319,94 @@ nb::dict sweep(nb::callable fn, const std::string& name, std::uint64_t seed, std
   return d;
 }
 
+// A candidate tensor on a CUDA device, as DLPack hands it over (torch, JAX, CuPy): read in place.
+using DeviceArray = nb::ndarray<nb::ro, nb::device::cuda, nb::c_contig>;
+
+DType dtype_of(const std::string& name, const DeviceArray& a) {
+  const nb::dlpack::dtype d = a.dtype();
+  if (d.lanes == 1) {
+    if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) return DType::BF16;
+    if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
+      if (d.bits == 16) return DType::F16;
+      if (d.bits == 32) return DType::F32;
+      if (d.bits == 64) return DType::F64;
+    }
+  }
+  throw InputError(name + ": a device array of DLPack dtype code " + std::to_string(d.code) + ", " + std::to_string(d.bits) +
+                   " bits; SPEC's outputs are bfloat16, float16, float32 or float64");
+}
+
 struct Judge {
   Problem problem;  // kept for the bf16_logits profile's logit pass (ProblemScales::prepare_for)
-  TensorMap exact;
+  TensorMap exact;  // every exact output, or where they are on the device every one but the gradients
+  std::optional<simpo::reference::DeviceOutputs> device_exact;  // the exact gradients on the device
   mutable sv::ProblemScales scales;
   Judge(const Problem& p, const std::map<std::string, WireTensor>& exact_wire) : problem(p), exact(tensors_from(exact_wire)) {
     nb::gil_scoped_release release;
     scales = sv::ProblemScales::of(p, &exact);
   }
   // The reference computed here (--reference auto), its dz pass handing the error model each row's off-target
-  // softmax: the scales then cost O(N) instead of recomputing fp32 logits (O(N H V)), as CaseRun does.
+  // softmax: the scales then cost O(N) instead of recomputing fp32 logits (O(N H V)), as CaseRun does. Where the
+  // reference runs on the GPU (and judges gradients of bf16 inputs), its gradients stay there and candidates are
+  // compared there (verifier/device_compare.h): the gradients never cross to the host.
   Judge(const Problem& p, bool gradients) : problem(p) {
     nb::gil_scoped_release release;
-    simpo::reference::Options o;
+    namespace ref = simpo::reference;
+    ref::Options o;
     o.gradients = gradients;
-    o.device = simpo::reference::Device::automatic;
-    simpo::reference::OffTargetSoftmax off_target;
+    o.device = ref::Device::automatic;
+    ref::OffTargetSoftmax off_target;
     o.off_target = &off_target;
-    exact = simpo::reference::compute(p, o);
+    const bool on_device = gradients && ref::resolve(ref::Device::automatic, p.shape) == ref::Device::cuda &&
+                           p.input_dtype() == DType::BF16 && sv::device_compare_unavailable_reason().empty();
+    if (on_device) {
+      device_exact = ref::compute_on_device(p, o);
+      exact = device_exact->host;
+      scales = sv::ProblemScales::of_forward(p, exact, true, &off_target);
+      return;
+    }
+    exact = ref::compute(p, o);
     scales = gradients ? sv::ProblemScales::of(p, &exact, &off_target) : sv::ProblemScales::of(p, &exact);
   }
-  nb::dict exact_wire() const { return wire_of(exact); }
-  nb::dict check(const std::map<std::string, WireTensor>& candidate, const std::string& profile, double rtol,
-                 double atol) const {
-    const TensorMap c = simpo::outputs_from_file(simpo::SafetensorsFile{tensors_from(candidate), {}}, "candidate");
+  bool on_device() const { return device_exact.has_value(); }
+  // The exact outputs on the host (the gradients downloaded where they are on the device: 4.2 GB at the published B = 2).
+  nb::dict exact_wire() const {
+    if (!device_exact) return wire_of(exact);
+    TensorMap all;
+    {
+      nb::gil_scoped_release release;
+      all = sv::to_host(*device_exact);
+    }
+    return wire_of(all);
+  }
+  // The bf16_logits profile's scales cost O(N H V) on the host: measured once, here or at the first check under it.
+  void prepare(const std::string& profile) const {
+    nb::gil_scoped_release release;
+    scales.prepare_for(sv::profile_from_name(profile), problem, exact);
+  }
+  nb::dict check(const std::map<std::string, WireTensor>& candidate, const std::map<std::string, DeviceArray>& device_candidate,
+                 const std::string& profile, double rtol, double atol) const {
+    sv::MixedOutputs c;
+    c.host = simpo::outputs_from_file(simpo::SafetensorsFile{tensors_from(candidate), {}}, "candidate");
+    for (const auto& [name, a] : device_candidate) {
+      if (c.host.count(name)) throw InputError("candidate: " + name + " given twice");
+      if (std::find(simpo::all_output_names().begin(), simpo::all_output_names().end(), name) == simpo::all_output_names().end())
+        throw InputError("candidate: unknown output tensor \"" + name + "\" (SPEC's outputs: loss, nll_loss, ...)");
+      sv::DeviceTensorView v;
+      v.dtype = dtype_of(name, a);
+      for (std::size_t i = 0; i < a.ndim(); ++i) v.shape.push_back(static_cast<std::int64_t>(a.shape(i)));
+      v.data = a.data();
+      v.device = a.device_id();
+      c.device[name] = v;
+    }
+    if (!device_exact && !c.device.empty())
+      throw InputError("candidate tensors on a CUDA device, but this judge's reference outputs are on the host");
     sv::Report r;
     {
       nb::gil_scoped_release release;
       const sv::Profile judged = profile_from(profile, rtol, atol);
       scales.prepare_for(judged, problem, exact);
-      r = sv::compare(scales, exact, c, judged);
+      r = device_exact ? sv::compare(scales, *device_exact, c, judged) : sv::compare(scales, exact, c.host, judged);
     }
     return report_of(r);
   }
@@ -499,13 +559,15 @@ NB_MODULE(_core, m) {
     return report_of(r);
   }, "problem"_a, "exact"_a, "candidate"_a, "profile"_a, "rtol"_a = 0.0, "atol"_a = 0.0);
 
-  // The error model's per-problem scales, measured once (O(N H V): fp32 logits on the CPU) and reused for every
-  // candidate of the same inputs: what check() with a shared reference and the peers' published case use.
+  // The reference's outputs and the error model's per-problem scales, measured once and reused for every candidate
+  // of the same inputs: what check() and the peers' published case use.
   nb::class_<Judge>(m, "Judge")
       .def(nb::init<const Problem&, const std::map<std::string, WireTensor>&>(), "problem"_a, "exact"_a)
       .def(nb::init<const Problem&, bool>(), "problem"_a, "gradients"_a)
       .def("exact", &Judge::exact_wire)
-      .def("check", &Judge::check, "candidate"_a, "profile"_a, "rtol"_a = 0.0, "atol"_a = 0.0);
+      .def("on_device", &Judge::on_device)
+      .def("prepare", &Judge::prepare, "profile"_a)
+      .def("check", &Judge::check, "candidate"_a, "device_candidate"_a, "profile"_a, "rtol"_a = 0.0, "atol"_a = 0.0);
 
   m.def("sweep", &sweep, "fn"_a, "name"_a, "seed"_a, "cases"_a, "time_budget_s"_a, "shrink"_a,
         "counterexample_dir"_a, "stop_at_first_failure"_a, "profile"_a, "also_judge"_a, "shrink_attempts"_a, "shrink_seconds"_a,

@@ -61,6 +61,11 @@ class DeviceBuffer {
     if (p_) cudaFree(p_);
   }
   template <class T> T* as() const { return static_cast<T*>(p_); }
+  // Ownership to a shared pointer that frees the memory with its last copy.
+  std::shared_ptr<const double> share() {
+    return std::shared_ptr<const double>(static_cast<const double*>(std::exchange(p_, nullptr)),
+                                         [](const double* p) { cudaFree(const_cast<double*>(p)); });
+  }
 
  private:
   void* p_ = nullptr;
@@ -156,11 +161,14 @@ struct DeviceInputs {
 // Fills the device inputs (allocated by the caller) on the stream.
 using Upload = std::function<void(DeviceInputs&, cudaStream_t)>;
 
+// keep: the gradients stay on the device, handed over there instead of downloaded into `gradients`.
 ForwardOutputs run(const Shape& s, const Hyperparameters& hp, std::span<const std::int64_t> target, bool has_bias,
-                   const Options& options, GradientOutputs gradients, Timings* timings, const Upload& upload) {
+                   const Options& options, GradientOutputs gradients, Timings* timings, const Upload& upload,
+                   KeptGradients* keep = nullptr) {
   const std::int64_t H = s.H, V = s.V, P = s.P(), N = s.N();
   check_size("target", target.size(), N);
-  if (options.gradients) {
+  if (keep && !options.gradients) throw std::logic_error("reference cuda: gradients kept on the device need Options::gradients");
+  if (options.gradients && !keep) {
     check_size("grad_x", gradients.x.size(), N * H);
     check_size("grad_weight", gradients.weight.size(), V * H);
     check_size("grad_bias", gradients.bias.size(), has_bias ? V : 0);
@@ -280,10 +288,17 @@ ForwardOutputs run(const Shape& s, const Hyperparameters& hp, std::span<const st
   time.compute = seconds_since(clock);
   clock = std::chrono::steady_clock::now();
 
-  if (options.gradients) {
+  if (keep) {
+    check(cudaGetDevice(&keep->device), "cudaGetDevice");
+    keep->x = grad_x.share();
+    keep->weight = grad_weight.share();
+    if (has_bias) keep->bias = grad_bias.share();
+  } else if (options.gradients) {
     download(gradients.x.data(), grad_x.as<void>(), gradients.x.size_bytes(), c);
     download(gradients.weight.data(), grad_weight.as<void>(), gradients.weight.size_bytes(), c);
     if (has_bias) download(gradients.bias.data(), grad_bias.as<void>(), gradients.bias.size_bytes(), c);
+  }
+  if (options.gradients) {
     if (off_target) {
       off_target->norm.resize(static_cast<std::size_t>(N));
       off_target->max.resize(static_cast<std::size_t>(N));
@@ -347,7 +362,9 @@ ForwardOutputs compute_core(const DoubleInputs& in, const Options& options, Grad
   });
 }
 
-ForwardOutputs compute_core(const Problem& problem, const Options& options, GradientOutputs gradients, Timings* timings) {
+namespace {
+ForwardOutputs run_bf16(const Problem& problem, const Options& options, GradientOutputs gradients, Timings* timings,
+                        KeptGradients* keep) {
   const Shape& s = problem.shape;
   check_size("x", problem.x.size(), s.N() * s.H);
   check_size("weight", problem.weight.size(), s.V * s.H);
@@ -365,7 +382,16 @@ ForwardOutputs compute_core(const Problem& problem, const Options& options, Grad
     widen_one(problem.weight.as<bf16>(), d.weight, "weight to the device");
     if (problem.bias) widen_one(problem.bias->as<bf16>(), d.bias, "bias to the device");
     check(cudaStreamSynchronize(stream), "widening the inputs");  // the staging buffer goes next
-  });
+  }, keep);
+}
+}  // namespace
+
+ForwardOutputs compute_core(const Problem& problem, const Options& options, GradientOutputs gradients, Timings* timings) {
+  return run_bf16(problem, options, gradients, timings, nullptr);
+}
+
+ForwardOutputs compute_core(const Problem& problem, const Options& options, KeptGradients& keep, Timings* timings) {
+  return run_bf16(problem, options, {}, timings, &keep);
 }
 
 }  // namespace simpo::reference::cuda

@@ -7,6 +7,7 @@
 #include "reference/reference_core.h"
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace simpo::reference::cuda {
@@ -27,9 +28,17 @@ struct Timings {
 // numbers, and the bf16 staging of the inputs while they are widened).
 std::int64_t required_device_bytes(const Shape&, bool bias, const Options&);
 
+// The gradients' device buffers, handed to the caller instead of downloaded (reference::compute_on_device).
+struct KeptGradients {
+  std::shared_ptr<const double> x, weight, bias;
+  int device = 0;
+};
+
 // As reference::compute_core (reference_core.h), on the device. The bf16 overload uploads the problem's inputs as
 // they are (a quarter of the bytes of doubles) and widens them there; the problem must have passed validate().
 ForwardOutputs compute_core(const DoubleInputs&, const Options&, GradientOutputs = {}, Timings* = nullptr);
 ForwardOutputs compute_core(const Problem&, const Options&, GradientOutputs = {}, Timings* = nullptr);
+// The bf16 overload with the gradients left on the device (Options::gradients on; no GradientOutputs).
+ForwardOutputs compute_core(const Problem&, const Options&, KeptGradients&, Timings* = nullptr);
 
 }  // namespace simpo::reference::cuda
