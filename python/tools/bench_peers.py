@@ -47,10 +47,12 @@ def timed(fn, reps):
 
 def loss_fn(name):
     """-> f(x, w, t) returning the loss (a graph when x, w require grad)."""
-    if name == "ours":
+    if name in ("ours", "ours_third"):
         from simpo_verify.torch import FusedLinearSimPOLoss
 
         m = FusedLinearSimPOLoss()
+        if name == "ours_third":  # backward with grad_output 1/3 (gradient accumulation over 3 micro-batches)
+            return lambda x, w, t: m(w, x, t)[0] / 3
         return lambda x, w, t: m(w, x, t)[0]
     if name == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearSimPOLoss
@@ -193,7 +195,8 @@ def main():
                 fwd_extra = torch.cuda.max_memory_allocated() - base
                 from simpo_verify import _device
 
-                outside_fwd = _device.last_info["workspace_bytes"] if name == "ours" else 0
+                ours = name.startswith("ours")
+                outside_fwd = _device.last_info["workspace_bytes"] if ours else 0
                 xg = x.detach().requires_grad_(True)
                 wg = w.detach().requires_grad_(True)
                 xg.grad = torch.zeros_like(xg)  # the steady state holds the gradients
@@ -212,7 +215,7 @@ def main():
                 # step() frees the old gradients before making new ones: its peak minus the steady state is extra
                 full_extra = torch.cuda.max_memory_allocated() - base
                 outside_full = (_device.last_info["workspace_bytes"] + _device.last_info["extra_device_bytes"]
-                                if name == "ours" else 0)
+                                if ours else 0)
                 row["impls"][name] = {"fwd_ms": fwd, "full_ms": full,
                                       "fwd_extra_mib": (fwd_extra + outside_fwd) / 2**20,
                                       "full_extra_mib": (full_extra + outside_full) / 2**20}

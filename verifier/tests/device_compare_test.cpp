@@ -169,9 +169,11 @@ TEST(DeviceCompare, PlantedWrongCandidatesAreJudgedAsOnTheHost) {
     const TensorMap good = cpu_outputs(j.problem);
     const std::int64_t H = spec.shape.H;
 
-    TensorMap one_element = good;  // one grad_weight element 4x too large
+    TensorMap one_element = good;  // one grad_weight element off by the tensor's whole norm: past any bound
     auto w = one_element.at(output_name::grad_weight).as<bf16>();
-    w[w.size() / 3] = bf16(4 * static_cast<float>(w[w.size() / 3]) + 1e-3f);
+    double norm = 0;
+    for (const bf16 v : w) norm += static_cast<double>(static_cast<float>(v)) * static_cast<float>(v);
+    w[w.size() / 3] = bf16(static_cast<float>(w[w.size() / 3]) + static_cast<float>(std::sqrt(norm)));
     EXPECT_FALSE(judge_everywhere(j, one_element).passed());
 
     TensorMap one_row = good;  // one grad_x row scaled by 1 + 2^-5: a row's bound, not the tensor's

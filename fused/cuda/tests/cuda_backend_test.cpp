@@ -427,10 +427,11 @@ TEST(CudaBackendFeatures, RerunsAreBitIdentical) {
 }
 
 // The rounding residues (DeviceCall::grad_*_lo) and scale_gradient_on_device, what the torch module's backward does
-// with a grad_output s: T(s (hi + lo)) is the step run at grad_scale s up to the one rounding (the two runs' fp32
-// sums differ only by s's exact scaling and fp32 noise), so it meets the bar against the reference at s and agrees
-// with the direct run to fp32 noise; bf16 (the hi/lo pair's lo is the caller's buffer) and f16 (an fp32 accumulator
-// rounded with its residue).
+// with a grad_output s: T(s (hi + lo)) meets the bar against the reference at grad_scale s. For a power of two it is
+// also the step run at s (dz = T(s k p) is then s T(k p), every sum scales exactly) but where hi + lo, 16 bits of
+// the fp32 sum, lands on a tie; for other s the direct run rounds its dz at another scale, so the two differ by dz's
+// rounding noise, each within the bar. bf16 (the hi/lo pair's lo is the caller's buffer) and f16 (an fp32
+// accumulator rounded with its residue).
 TEST(CudaBackendFeatures, ResiduesScaleGradientsWithOneRounding) {
   SKIP_WITHOUT_DEVICE();
   for (const DType dtype : {DType::BF16, DType::F16}) {
@@ -470,7 +471,7 @@ TEST(CudaBackendFeatures, ResiduesScaleGradientsWithOneRounding) {
     call.grad_bias_lo = at(lo.at(output_name::grad_bias));
     call.options = cuda_options();
     compute_on_device(call);
-    for (const double scale : {1.0 / 3.0, 0.25, 1e-4, -2.5}) {
+    for (const double scale : {1.0 / 3.0, 0.25, 1e-4, -2.5, -2.0}) {
       SCOPED_TRACE(input_dtype_name(dtype) + ", grad_output " + std::to_string(scale));
       TensorMap scaled;
       for (const auto& [name, n] : sizes) {
@@ -486,7 +487,7 @@ TEST(CudaBackendFeatures, ResiduesScaleGradientsWithOneRounding) {
       for (auto* m : {&direct, &exact})
         for (auto it = m->begin(); it != m->end();) it = is_gradient_output(it->first) ? std::next(it) : m->erase(it);
       expect_meets_bar(scaled, exact, spec.logit_scale, dtype);
-      expect_same_to_fp32_noise(scaled, direct, &exact);
+      if (scale == 0.25 || scale == -2.0) expect_same_to_fp32_noise(scaled, direct, &exact);
     }
   }
 }
