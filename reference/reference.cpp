@@ -417,13 +417,6 @@ TensorMap compute(const Problem& problem, const Options& options) {
   validate(problem);
   Options resolved = options;
   resolved.device = options.reproducible ? Device::cpu : resolve(options.device, problem.shape);
-  // reference-cuda widens bf16 inputs on the device; f16 and f32 inputs are widened and computed on the cpu.
-  if (resolved.device == Device::cuda && problem.input_dtype() != DType::BF16) {
-    if (options.device == Device::cuda)
-      throw InputError("the float64 reference on cuda reads bf16 inputs; these are " +
-                       input_dtype_name(problem.input_dtype()) + " (the cpu reference reads every input dtype)");
-    resolved.device = Device::cpu;
-  }
   require_memory(required_bytes(problem.shape, problem.bias.has_value(), resolved),
                  "the float64 reference (" + device_name(resolved.device) + ") on " + problem.shape.to_string());
   const Shape& s = problem.shape;
@@ -468,9 +461,6 @@ std::int64_t DeviceArray::numel() const {
 DeviceOutputs compute_on_device(const Problem& problem, const Options& options) {
   validate(problem);
   if (!cuda_available()) throw InputError("the float64 reference on the device: " + cuda_unavailable_reason());
-  if (problem.input_dtype() != DType::BF16)
-    throw InputError("the float64 reference on cuda reads bf16 inputs; these are " + input_dtype_name(problem.input_dtype()) +
-                     " (the cpu reference reads every input dtype)");
   DeviceOutputs out;
 #ifdef SIMPO_REFERENCE_HAVE_CUDA
   Options resolved = options;

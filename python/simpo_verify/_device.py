@@ -97,7 +97,7 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
             "grad_x": ptr(grad_x), "grad_weight": ptr(grad_w), "grad_bias": ptr(grad_b), "metadata": meta,
             "grad_x_lo": ptr(lo.get("grad_x")), "grad_weight_lo": ptr(lo.get("grad_weight")),
             "grad_bias_lo": ptr(lo.get("grad_bias")),
-            "gradients": gradients, "grad_x": want_x, "grad_weight": want_weight, "grad_f32": grad_f32,
+            "gradients": gradients, "want_grad_x": want_x, "want_grad_weight": want_weight, "grad_f32": grad_f32,
             "validate": validate,
             "workspace_bytes": workspace_bytes, "max_chunk_rows": max_chunk_rows,
         })

@@ -511,8 +511,8 @@ NB_MODULE(_core, m) {
     c.options = fused_options("cuda", nb::cast<bool>(args["gradients"]), nb::cast<bool>(args["grad_f32"]),
                               nb::cast<bool>(args["validate"]), nb::cast<std::int64_t>(args["workspace_bytes"]),
                               nb::cast<std::int64_t>(args["max_chunk_rows"]));
-    c.options.grad_x = nb::cast<bool>(args["grad_x"]);
-    c.options.grad_weight = nb::cast<bool>(args["grad_weight"]);
+    c.options.grad_x = nb::cast<bool>(args["want_grad_x"]);
+    c.options.grad_weight = nb::cast<bool>(args["want_grad_weight"]);
     c.keep_workspace = true;  // the torch module calls once per step
     simpo::fused::DeviceResult r;
     {

@@ -371,16 +371,24 @@ ForwardOutputs run_bf16(const Problem& problem, const Options& options, Gradient
   if (problem.bias) check_size("bias", problem.bias->size(), s.V);
   return run(s, problem.hp, problem.target, problem.has_bias(), options, gradients, timings, [&](DeviceInputs& d, cudaStream_t stream) {
     // bf16 to the device (a quarter of the bytes of doubles), widened there; one staging buffer, freed before the
-    // logits and gradients are allocated.
-    DeviceBuffer staging(std::max(s.N() * s.H, s.V * s.H) * 2);
-    auto widen_one = [&](const std::vector<bf16>& values, const DeviceBuffer& out, const char* what) {
-      check(cudaMemcpyAsync(staging.as<void>(), values.data(), values.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream), what);
-      kernels::widen_bf16(staging.as<std::uint16_t>(), out.as<double>(), static_cast<std::int64_t>(values.size()), stream);
+    // logits and gradients are allocated. f16 and f32 inputs are widened on the host (widen() is exact for every
+    // input dtype) and copied as doubles.
+    const bool bf16_inputs = problem.input_dtype() == DType::BF16;
+    DeviceBuffer staging(bf16_inputs ? std::max(s.N() * s.H, s.V * s.H) * 2 : 0);
+    auto widen_one = [&](const InputValues& values, const DeviceBuffer& out, const char* what) {
+      if (!bf16_inputs) {
+        const std::vector<double> wide = widen(values);
+        check(cudaMemcpy(out.as<void>(), wide.data(), wide.size() * sizeof(double), cudaMemcpyHostToDevice), what);
+        return;
+      }
+      const std::vector<bf16>& narrow = values.as<bf16>();
+      check(cudaMemcpyAsync(staging.as<void>(), narrow.data(), narrow.size() * sizeof(bf16), cudaMemcpyHostToDevice, stream), what);
+      kernels::widen_bf16(staging.as<std::uint16_t>(), out.as<double>(), static_cast<std::int64_t>(narrow.size()), stream);
       check_launch("widen_bf16");
     };
-    widen_one(problem.x.as<bf16>(), d.x, "x to the device");
-    widen_one(problem.weight.as<bf16>(), d.weight, "weight to the device");
-    if (problem.bias) widen_one(problem.bias->as<bf16>(), d.bias, "bias to the device");
+    widen_one(problem.x, d.x, "x to the device");
+    widen_one(problem.weight, d.weight, "weight to the device");
+    if (problem.bias) widen_one(*problem.bias, d.bias, "bias to the device");
     check(cudaStreamSynchronize(stream), "widening the inputs");  // the staging buffer goes next
   }, keep);
 }

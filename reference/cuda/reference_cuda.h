@@ -34,8 +34,9 @@ struct KeptGradients {
   int device = 0;
 };
 
-// As reference::compute_core (reference_core.h), on the device. The bf16 overload uploads the problem's inputs as
-// they are (a quarter of the bytes of doubles) and widens them there; the problem must have passed validate().
+// As reference::compute_core (reference_core.h), on the device. The Problem overload uploads bf16 inputs as they are
+// (a quarter of the bytes of doubles) and widens them there, f16 and f32 inputs widened on the host; the problem
+// must have passed validate().
 ForwardOutputs compute_core(const DoubleInputs&, const Options&, GradientOutputs = {}, Timings* = nullptr);
 ForwardOutputs compute_core(const Problem&, const Options&, GradientOutputs = {}, Timings* = nullptr);
 // The bf16 overload with the gradients left on the device (Options::gradients on; no GradientOutputs).

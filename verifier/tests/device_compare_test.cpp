@@ -41,6 +41,11 @@ void expect_close(const char* what, const std::string& tensor, double host, doub
                                                                     << device << " (relative tolerance " << tolerance << ")";
 }
 
+// Order-free values (maxima, single elements): the same bits, a NaN (a planted one) matching a NaN.
+void expect_same_bits(const char* what, double host, double device) {
+  EXPECT_TRUE(host == device || (std::isnan(host) && std::isnan(device))) << what << ": " << host << " vs " << device;
+}
+
 void expect_same_report(const Report& host, const Report& device) {
   ASSERT_EQ(host.tensors.size(), device.tensors.size());
   EXPECT_EQ(host.profile, device.profile);
@@ -59,9 +64,9 @@ void expect_same_report(const Report& host, const Report& device) {
     EXPECT_EQ(h.worst_row, d.worst_row);
     EXPECT_EQ(h.max_abs_at, d.max_abs_at);
     // Maxima and single elements: order-free, the same bits.
-    EXPECT_EQ(h.max_abs, d.max_abs);
-    EXPECT_EQ(h.reference_at_max, d.reference_at_max);
-    EXPECT_EQ(h.candidate_at_max, d.candidate_at_max);
+    expect_same_bits("max_abs", h.max_abs, d.max_abs);
+    expect_same_bits("reference_at_max", h.reference_at_max, d.reference_at_max);
+    expect_same_bits("candidate_at_max", h.candidate_at_max, d.candidate_at_max);
     EXPECT_EQ(h.rtol, d.rtol);
     const double t = sums_tolerance(std::max<std::int64_t>(h.numel, 1));
     expect_close("atol", h.name, h.atol, d.atol, t);  // gradients: from the floor's sum
