@@ -15,8 +15,14 @@
 # CUTLASS kernels).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-python=${PYTHON:-$(command -v python3.12 2>/dev/null || echo "$HOME/.pyenv/versions/3.12.1/bin/python3.12")}
-[ -x "$python" ] || { echo "build_wheel: no Python at '$python' (set PYTHON=...)" >&2; exit 1; }
+# python3.12 on PATH may be a pyenv shim that fails: take the first candidate that runs.
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+  for p in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do
+    if "$p" -c "" 2>/dev/null; then python=$p; break; fi
+  done
+fi
+"${python:-false}" -c "" 2>/dev/null || { echo "build_wheel: no Python 3.12 found (set PYTHON=...)" >&2; exit 1; }
 tag=$("$python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 ref=${REF:-HEAD}
 archs=${CUDA_ARCHS:-80;90}
