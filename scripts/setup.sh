@@ -17,7 +17,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# The CUDA Toolkit is used where it is installed (nvcc); without it everything else still builds.
+# The CUDA Toolkit is used where it is installed (nvcc); without it everything else still builds. With it,
+# configure fetches the pinned CUTLASS headers from PyPI into .cutlass/include (the sm_90 promoted logits GEMM:
+# cmake/fetch_cutlass.cmake) and says so; where PyPI is unreachable it warns and the sliced cuBLAS path is built.
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 
 # The Python package (python/) builds against a venv: Debian's python3 refuses pip installs system-wide. Its

@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
-# Puts CUTLASS's C++ headers (the pinned PyPI nvidia-cutlass wheel's include folder) into .cutlass/include,
-# where fused/cuda/CMakeLists.txt looks by default (or pass -DSIMPO_CUTLASS_DIR=...). Only the sm_90 promoted
-# logits GEMM needs them; builds without them (CI: no nvcc) keep the sliced cuBLAS path.
+# Puts CUTLASS's C++ headers (the pinned PyPI nvidia-cutlass wheel's include folder) into .cutlass/include, where
+# fused/cuda/CMakeLists.txt looks by default (or pass -DSIMPO_CUTLASS_DIR=...). Configure already does this
+# wherever the CUDA backend is built (setup.sh, `pip install ./python`, CI, which has nvcc); this script is for
+# fetching by hand, e.g. after configure said PyPI was unreachable. Only the sm_90 promoted logits GEMM needs them;
+# builds without them keep the sliced cuBLAS path. The fetch itself is cmake/fetch_cutlass.cmake.
 set -euo pipefail
-version=4.2.0.0
-root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
-dest="$root/.cutlass"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-python3 -m pip download --no-deps --only-binary=:all: "nvidia-cutlass==$version" -d "$tmp"
-rm -rf "$dest/include" && mkdir -p "$dest"
-(cd "$tmp" && unzip -q nvidia_cutlass-*.whl 'cutlass_library/source/include/*' && mv cutlass_library/source/include "$dest/include")
-grep -qx '/.cutlass/' "$root/.git/info/exclude" 2>/dev/null || echo '/.cutlass/' >> "$(git -C "$root" rev-parse --git-path info/exclude)"
-echo "CUTLASS $version headers in $dest/include"
+root=$(cd "$(dirname "$0")/../.." && pwd)
+python=$(command -v python3 || true)
+cmake -DDEST="$root/.cutlass" ${python:+-DPYTHON="$python"} -P "$root/cmake/fetch_cutlass.cmake"

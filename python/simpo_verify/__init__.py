@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import os
 
-from . import _core
-from ._arrays import HYPERPARAMETERS, InputError, framework, from_wire, hyperparameters_of, is_cuda, metadata, to_wire
-from .serve import serve
-from .sweep import SweepReport, sweep
+from ._libs import load_core
+
+_core = load_core()  # before anything else imports it: finds the CUDA libraries a repaired wheel leaves out
+
+from ._arrays import HYPERPARAMETERS, InputError, framework, from_wire, hyperparameters_of, is_cuda, metadata, to_wire  # noqa: E402
+from .serve import serve  # noqa: E402
+from .sweep import SweepReport, sweep  # noqa: E402
 
 __all__ = ["compute", "check", "reference", "Judge", "Report", "serve", "sweep", "SweepReport", "InputError",
            "HYPERPARAMETERS", "load_inputs", "save_inputs", "load_outputs", "save_outputs", "cuda_available"]

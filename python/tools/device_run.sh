@@ -6,8 +6,8 @@
 #      included), the published workload as one case for every peer, and a one-rep benchmark of Liger and CCE at
 #      B = 2, 4 that fills the compile caches (torch.compile's FX graph and Triton caches are on disk) for stage 2;
 #   2. the CCE probe, then the benchmark at B = 2, 4, 8, 16, alone on the GPU (bench_peers.py --cce-probe).
-# Carried (ignored folders): .whl (simpo_verify cp312 wheel, liger-kernel, cut-cross-entropy), .pylibs (the
-# extension's Debian shared libraries: OpenBLAS, MPFR, ...), .liger-test (Liger-Kernel's test files).
+# Carried (ignored folders): .whl (simpo_verify cp312 wheel, liger-kernel, cut-cross-entropy), .liger-test (Liger-Kernel's
+# test files), and for a wheel not repaired by build_wheel.sh .pylibs (its Debian shared libraries: OpenBLAS, MPFR, ...).
 # Every stage has a deadline; what finished is in $OUT whatever happens later.
 set -u
 cd "$(dirname "$0")/../.."
@@ -16,7 +16,8 @@ SWEEP_BUDGET=${SWEEP_BUDGET:-75} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The extension's Debian libraries, where the image lacks them; CUDA's from the toolkit or torch's wheels.
 mkdir -p /tmp/pylibs
-for f in .pylibs/*; do
+for f in .pylibs/*; do  # none with build_wheel.sh's repaired wheel, which carries them
+  [ -e "$f" ] || continue
   n=$(basename "$f" .gz)
   ldconfig -p | awk '{print $1}' | grep -qx "$n" && continue
   case "$f" in *.gz) gunzip -c "$f" > /tmp/pylibs/$n ;; *) cp "$f" /tmp/pylibs/ ;; esac
