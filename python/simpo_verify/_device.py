@@ -71,6 +71,10 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
                          "(no nvcc at build time): move them to the host, or rebuild where nvcc is installed")
     B, T, H, V = check_tensors(x, weight, target, bias)
     dev = x.device
+    if torch.cuda.is_current_stream_capturing():
+        raise InputError("simpo_verify's fused step cannot be captured in a CUDA graph: it reads the targets on the "
+                         "host (SPEC's validation and the per-sequence averages) and synchronizes once per call; run "
+                         "it outside the captured region")
     x, weight = x.detach().contiguous(), weight.detach().contiguous()
     target = target.detach().to(torch.int64).contiguous()
     bias = bias.detach().contiguous() if bias is not None else None

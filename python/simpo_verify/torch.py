@@ -116,6 +116,10 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
     with no completion token averages to 0 with no gradient) and workspace_bytes (the kernel's scratch budget)."""
     del compiled, chunk_size  # Liger's knobs: no meaning here (module docstring)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
+    if torch.compiler.is_compiling():  # torch.compile: the custom ops, opaque nodes of the graph (_torch_op.py)
+        from ._torch_op import fused_linear_simpo_compiled
+
+        return fused_linear_simpo_compiled(_input, weight, target, bias, hp, workspace_bytes)
     if not torch.is_grad_enabled():
         # no_grad / inference_mode (an evaluation loop): the forward-only schedule, one GEMM instead of three,
         # whatever requires_grad says (autograd.Function.forward cannot see the caller's grad mode).

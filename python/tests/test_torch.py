@@ -105,3 +105,56 @@ def test_cuda_tensors_stay_on_device_and_compute_matches_host():
     x2[0, 1, 2] = float("inf")
     with pytest.raises(sv.InputError, match=r"non-finite input: x\(0, 1, 2\)"):
         sv.compute(x2, w, t, b)
+
+
+def test_custom_ops_pass_opcheck():
+    """The ops' schemas, fake implementations and autograd registration (torch.library.opcheck)."""
+    from simpo_verify._torch_op import fused_linear_simpo_op, scale_gradient_op
+
+    x, w, t, b = make("cpu")
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    args = (x, w, t, b, -100, 0.1, 1.0, 0.0, True, 0.5, "error", 1 << 26, True, True)
+    torch.library.opcheck(fused_linear_simpo_op, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(scale_gradient_op, (w.detach(), w.detach().new_empty(0), torch.tensor(0.25)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_matches_eager(device):
+    """torch.compile(fullgraph=True) of a step that calls the module compiles with no graph break (the op is
+    opaque); at grad_output 1 its loss and gradients are the eager module's, and at 1/3 (the loss divided, as
+    gradient accumulation does) they meet strict for SPEC's grad_scale 1/3."""
+    x, w, t, b = make(device)
+    loss_fn = FusedLinearSimPOLoss(beta=0.2, gamma=0.3)
+
+    def step(x, w, t, b, divisor):
+        loss, aux = loss_fn(w, x, t, b)
+        return loss / divisor, aux
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    names = ["chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss",
+             "chosen_rewards", "rejected_rewards"]
+    for divisor in (1.0, 3.0):
+        results = []
+        for fn in (step, compiled):
+            xg, wg, bg = (v.detach().clone().requires_grad_(True) for v in (x, w, b))
+            loss, aux = fn(xg, wg, t, bg, divisor)
+            loss.backward()
+            results.append((loss.detach() * divisor, aux, xg.grad, wg.grad, bg.grad))
+        (loss, aux, gx, gw, gb), eager = results[1], results[0]
+        if divisor == 1.0:
+            for e, c in zip(eager[2:], (gx, gw, gb)):
+                assert torch.equal(e, c)
+        candidate = dict(zip(names, (a.detach() for a in aux)), loss=loss, grad_x=gx, grad_weight=gw, grad_bias=gb)
+        inputs = {"x": x, "weight": w, "target": t, "bias": b, "beta": 0.2, "gamma": 0.3, "grad_scale": 1 / divisor}
+        r = sv.check(inputs, candidate)
+        assert r.passed, str(r)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or no cuda backend in this build")
+def test_cuda_graph_capture_is_refused_with_a_message():
+    x, w, t, b = make("cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(sv.InputError, match="CUDA graph"):
+        with torch.cuda.graph(graph):
+            FusedLinearSimPOLoss()(w, x, t, b)
