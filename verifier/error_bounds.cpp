@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <utility>
@@ -448,7 +449,8 @@ double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double ro
   const double dk = scales.row_dk.empty() ? 0.0 : scales.row_dk[static_cast<std::size_t>(row)];
   double softmax = 0, k_error = 0;
   if (profile.kind == ProfileKind::bf16_logits && scales.logit_rounding && !scales.logit_rounding->row_grad_x.empty()) {
-    softmax = scales.logit_rounding->row_grad_x[static_cast<std::size_t>(row)];
+    softmax = std::hypot(scales.logit_rounding->row_grad_x[static_cast<std::size_t>(row)],
+                         scales.logit_rounding->row_target[static_cast<std::size_t>(row)]);
     k_error = scales.logit_rounding->row_k_error[static_cast<std::size_t>(row)];
   }
   return gradient_safety * row_sample * std::hypot(std::hypot(row_floor_abs, scales.operand_rounding() * k * q * W), softmax) +
@@ -497,7 +499,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
   const double u = 0x1.0p-8, sigma = u / std::sqrt(3.0);
   const bool gradients = row_k.size() == static_cast<std::size_t>(sh.N());
   std::vector<double> worst_l(static_cast<std::size_t>(sh.N()), 0.0), var_l(worst_l.size(), 0.0), b_row(worst_l.size(), 0.0),
-      c_row(worst_l.size(), 0.0);
+      c_row(worst_l.size(), 0.0), target_gap(worst_l.size(), 0.0);  // target_gap: 1 - p_target
   double chosen_abs = 0, chosen_sq = 0, rejected_abs = 0, rejected_sq = 0;  // logits means: sum |z|, sum z^2 per half
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -556,6 +558,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
         off_sq += q;
       }
       const double zt = row[static_cast<std::size_t>(target)], pt = std::exp(zt - lse);
+      target_gap[static_cast<std::size_t>(r)] = -std::expm1(zt - lse);
       const double D = 2 * u * zabs_max;
       const double nonlinear = D > 0 ? std::expm1(D) / D : 1.0;
       nonlinear_of[static_cast<std::size_t>(i)] = nonlinear;
@@ -569,10 +572,18 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
       const MatrixD wg = g * wd.transpose();       // m x V: w_v . g
       const Eigen::VectorXd g_sq = g.rowwise().squaredNorm();
       for (std::int64_t i = 0; i < m; ++i) {
-        double c_sq = 0;
+        double c_sq = 0, c_max = 0;
         for (std::int64_t v = 0; v < sh.V; ++v)
-          if (pz_sq(i, v) > 0) c_sq += pz_sq(i, v) * std::max(0.0, w_sq(v) - 2 * wg(i, v) + g_sq(i));
-        c_row[static_cast<std::size_t>(r0 + i)] = nonlinear_of[static_cast<std::size_t>(i)] * std::sqrt(c_sq);
+          if (pz_sq(i, v) > 0) {
+            const double term = pz_sq(i, v) * std::max(0.0, w_sq(v) - 2 * wg(i, v) + g_sq(i));
+            c_sq += term;
+            c_max = std::max(c_max, term);
+          }
+        // The rms sigma C is the estimate where many roundings share the row; where one token carries it (a softmax
+        // peaked on a wrong token of large |z|) the row's error is that one rounding's, up to u p_v |z_v| |w_v - g|:
+        // the row keeps the larger (in units of sigma, so that row_grad_x = sigma k c_row still holds).
+        c_row[static_cast<std::size_t>(r0 + i)] =
+            nonlinear_of[static_cast<std::size_t>(i)] * std::max(std::sqrt(c_sq), std::sqrt(3.0) * std::sqrt(c_max));
       }
     }
   }
@@ -615,6 +626,14 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
     lr.row_grad_x.assign(static_cast<std::size_t>(sh.N()), 0.0);
     lr.row_k_error.assign(static_cast<std::size_t>(sh.N()), 0.0);
     const double W = max_weight_norm;
+    // dz's target entry, k (p_t - 1), rounded with the rest of the row: these implementations put the one-hot term
+    // into the logits' gradient before it is cast to the GEMMs' dtype (strict's implementation keeps it in fp32).
+    // Rows of one sequence share k, and near a uniform softmax 1 - p_t ~ 1, so their roundings are nearly one
+    // error: the rows of a sequence with the same target add into grad_W's and grad_bias's row t as a sum of
+    // |terms|; different targets (other rows of the output) and sequences in quadrature; each grad_x row has its own.
+    const double op = operand_rounding();
+    double tx_sq = 0, tw_sq = 0, tb_sq = 0;
+    lr.row_target.assign(static_cast<std::size_t>(sh.N()), 0.0);
     double gx_sq = 0, gw_sq = 0, gb_sq = 0, dk_sq = 0, dk_x_sq = 0, dk_b_sq = 0;
     for (std::int64_t b = 0; b < sh.B; ++b) {
       const std::int64_t nb = n[static_cast<std::size_t>(b)];
@@ -625,6 +644,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
       const double ds = hp.beta * (e_avg[static_cast<std::size_t>(i)] + e_avg[static_cast<std::size_t>(P + i)]);
       const double dk = std::fabs(hp.grad_scale) * hp.beta * sig_pos * sig_neg * ds / static_cast<double>(P) / static_cast<double>(nb);
       double dk_x_seq = 0;
+      std::map<std::int64_t, std::pair<double, double>> by_target;  // target -> (sum kt |x_r|, sum kt)
       for (std::int64_t t = 0; t < sh.T; ++t) {
         if (!p.is_completion(b, t)) continue;
         const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
@@ -634,6 +654,13 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
           const double xv = static_cast<float>(p.x.value(r * static_cast<std::size_t>(sh.H) + static_cast<std::size_t>(h)));
           xn_sq += xv * xv;
         }
+        const std::int64_t target = p.target[r];
+        const double kt = op * row_k[r] * target_gap[r];
+        lr.row_target[r] = kt * std::sqrt(w_sq(target));
+        tx_sq += lr.row_target[r] * lr.row_target[r];
+        auto& [tw, tb] = by_target[target];
+        tw += kt * std::sqrt(xn_sq);
+        tb += kt;
         lr.row_grad_x[r] = sigma * kc;
         lr.row_k_error[r] = 2 * dk * W;
         gx_sq += kc * kc;
@@ -644,10 +671,14 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
       }
       dk_x_sq += dk_x_seq * dk_x_seq;
       dk_b_sq += (static_cast<double>(nb) * dk) * (static_cast<double>(nb) * dk);
+      for (const auto& [target, sums] : by_target) {
+        tw_sq += sums.first * sums.first;
+        tb_sq += sums.second * sums.second;
+      }
     }
-    lr.grad_x = sigma * std::sqrt(gx_sq);
-    lr.grad_weight = sigma * std::sqrt(gw_sq);
-    lr.grad_bias = sigma * std::sqrt(gb_sq);
+    lr.grad_x = std::hypot(sigma * std::sqrt(gx_sq), std::sqrt(tx_sq));
+    lr.grad_weight = std::hypot(sigma * std::sqrt(gw_sq), std::sqrt(tw_sq));
+    lr.grad_bias = std::hypot(sigma * std::sqrt(gb_sq), std::sqrt(tb_sq));
     lr.k_error_grad_x = 2 * std::sqrt(dk_sq) * W;
     lr.k_error_grad_weight = std::sqrt(2.0) * std::sqrt(dk_x_sq);
     lr.k_error_grad_bias = std::sqrt(2.0) * std::sqrt(dk_b_sq);

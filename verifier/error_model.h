@@ -117,6 +117,7 @@ struct ProblemScales {
     double k_error_grad_x = 0, k_error_grad_weight = 0, k_error_grad_bias = 0;  // k's error through s
     std::vector<double> row_grad_x;  // per token row: the softmax term and 2 dk W, for the per-row grad_x check
     std::vector<double> row_k_error;
+    std::vector<double> row_target;  // per token row: dz's rounded target entry through W (rms), k (1 - p_t) |w_t|
   };
   std::optional<LogitRounding> logit_rounding;
   // Needs the exact outputs with gradients (k comes from the exact log-probs). Idempotent.
