@@ -436,8 +436,8 @@ double gradient_elementwise_atol(const ProblemScales& scales, const std::string&
 // rounding boundary, a full spacing from exact where its floor is ~0. Over many elements the two roundings have
 // the same size; in a short row (H = 1: one element) the measured floor is no estimate of the candidate's, so the
 // row's rounding is at least its expected size, expected_rounding_error(dtype) ||exact row|| (rms; the small-sample
-// factor on top covers the worst case of one element, u |x| = 2.35 rms). Found by the cpu backend at H = 1 (sweep
-// seed 1206, case 1352: one element off by one bf16 spacing, its floor 0.06 spacings).
+// factor on top covers the worst case of one element, u |x| = 2.35 rms). verifier/README.md has the case that
+// showed it.
 double grad_x_row_bound(const ProblemScales& scales, std::int64_t row, double row_floor_abs, double row_exact_norm,
                         DType candidate_dtype, const Profile& profile) {
   row_floor_abs = std::max(row_floor_abs, expected_rounding_error(candidate_dtype) * row_exact_norm);

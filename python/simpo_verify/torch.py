@@ -39,7 +39,7 @@ __all__ = ["FusedLinearSimPOLoss", "fused_linear_simpo", "InputError"]
 
 def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True):
     """-> (dict of SPEC outputs as torch tensors on the inputs' device, dict of the 16-bit gradients' rounding
-    residues: cuda only, for _scaled)."""
+    residues: cuda only, for backward's scale_gradient)."""
     if _input.is_cuda:
         out, info = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients, grad_x=grad_x,
                                     grad_weight=grad_weight, residues=gradients, workspace_bytes=workspace_bytes)
