@@ -1,6 +1,7 @@
 // The error model's bounds: profiles, the problem's scales and the strict tolerances derived from them
 // (README "Error model"). compare.cpp measures a candidate against them; report_format.cpp prints the result.
 #include "verifier/error_model.h"
+#include "verifier/logit_rows.h"
 #include "verifier/tensor_reductions.h"
 
 #include <nlohmann/json.hpp>
@@ -50,6 +51,16 @@ constexpr double accumulation_safety = 4.0;
 
 std::int64_t reduction_length(const Shape& s, const std::string& name) {
   return name == output_name::grad_x ? s.V : s.N();
+}
+
+// ||w_v||, in double from the exact input values.
+double weight_row_norm(const Problem& p, std::int64_t v) {
+  double sq = 0;
+  for (std::int64_t h = 0; h < p.shape.H; ++h) {
+    const double w = p.weight.value(static_cast<std::size_t>(v * p.shape.H + h));
+    sq += w * w;
+  }
+  return std::sqrt(sq);
 }
 
 }  // namespace
@@ -498,94 +509,13 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
   const Shape& sh = p.shape;
   const double u = 0x1.0p-8, sigma = u / std::sqrt(3.0);
   const bool gradients = row_k.size() == static_cast<std::size_t>(sh.N());
-  std::vector<double> worst_l(static_cast<std::size_t>(sh.N()), 0.0), var_l(worst_l.size(), 0.0), b_row(worst_l.size(), 0.0),
-      c_row(worst_l.size(), 0.0), target_gap(worst_l.size(), 0.0);  // target_gap: 1 - p_target
+  // The O(N H V) part, each row's terms from the problem's logits (logit_rows.h: on a device where one is present).
+  const std::vector<LogitRow> rows = logit_rows(p, gradients);
   double chosen_abs = 0, chosen_sq = 0, rejected_abs = 0, rejected_sq = 0;  // logits means: sum |z|, sum z^2 per half
-  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  Matrix w(sh.V, sh.H);
-  for (std::int64_t i = 0; i < sh.V * sh.H; ++i) w.data()[i] = static_cast<float>(p.weight.value(static_cast<std::size_t>(i)));
-  // ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2, in double (w ~ g for a peaked softmax: fp32 would cancel).
-  MatrixD wd;
-  Eigen::VectorXd w_sq;
-  if (gradients) {
-    wd = w.cast<double>();
-    w_sq = wd.rowwise().squaredNorm();
-  }
-  const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(sh.N(), (std::int64_t{32} << 20) / (8 * sh.V)));
-  std::vector<double> row(static_cast<std::size_t>(sh.V));
-  for (std::int64_t r0 = 0; r0 < sh.N(); r0 += rows) {
-    const std::int64_t m = std::min(rows, sh.N() - r0);
-    Matrix x(m, sh.H);
-    for (std::int64_t i = 0; i < m * sh.H; ++i) x.data()[i] = static_cast<float>(p.x.value(static_cast<std::size_t>(r0 * sh.H + i)));
-    const Matrix z = x * w.transpose();
-    MatrixD probs = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // softmax of completion rows
-    MatrixD pz_sq = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // (p_v z_v)^2
-    std::vector<double> nonlinear_of(static_cast<std::size_t>(m), 1.0);
-    for (std::int64_t i = 0; i < m; ++i) {
-      const std::int64_t r = r0 + i;
-      double zmax = -INFINITY, zabs_max = 0, abs_sum = 0, sq_sum = 0;
-      for (std::int64_t v = 0; v < sh.V; ++v) {
-        const double zv = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>(p.bias->value(static_cast<std::size_t>(v)))) : 0.0);
-        row[static_cast<std::size_t>(v)] = zv;
-        zmax = std::max(zmax, zv);
-        zabs_max = std::max(zabs_max, std::fabs(zv));
-        abs_sum += std::fabs(zv);
-        sq_sum += zv * zv;
-      }
-      (r < sh.P() * sh.T ? chosen_abs : rejected_abs) += abs_sum;
-      (r < sh.P() * sh.T ? chosen_sq : rejected_sq) += sq_sum;
-      const std::int64_t target = p.target[static_cast<std::size_t>(r)];
-      if (target == p.hp.ignore_index || target < 0 || target >= sh.V) continue;
-      double sum = 0;
-      for (double zv : row) sum += std::exp(zv - zmax);
-      const double lse = zmax + std::log(sum);
-      // a_sq = sum p^2 z^2, p_sq = ||p||^2, own = sum p^2 z^2 (1 - p)^2, own4 = sum p^4 z^2: B^2 = own + p_sq a_sq - own4
-      double off_abs = 0, off_sq = 0, a_sq = 0, p_sq = 0, own = 0, own4 = 0;
-      for (std::int64_t v = 0; v < sh.V; ++v) {
-        const double zv = row[static_cast<std::size_t>(v)], pv = std::exp(zv - lse);
-        const double q = pv * pv * zv * zv;
-        a_sq += q;
-        p_sq += pv * pv;
-        own += q * (1 - pv) * (1 - pv);
-        own4 += q * pv * pv;
-        if (gradients) {
-          probs(i, v) = pv;
-          pz_sq(i, v) = q;
-        }
-        if (v == target) continue;
-        off_abs += pv * std::fabs(zv);
-        off_sq += q;
-      }
-      const double zt = row[static_cast<std::size_t>(target)], pt = std::exp(zt - lse);
-      target_gap[static_cast<std::size_t>(r)] = -std::expm1(zt - lse);
-      const double D = 2 * u * zabs_max;
-      const double nonlinear = D > 0 ? std::expm1(D) / D : 1.0;
-      nonlinear_of[static_cast<std::size_t>(i)] = nonlinear;
-      const std::size_t ri = static_cast<std::size_t>(r);
-      worst_l[ri] = nonlinear * u * (std::fabs(zt) * (1 - pt) + off_abs);
-      var_l[ri] = nonlinear * nonlinear * sigma * sigma * (zt * zt * (1 - pt) * (1 - pt) + off_sq);
-      b_row[ri] = nonlinear * std::sqrt(std::max(0.0, own + p_sq * a_sq - own4));
-    }
-    if (gradients) {  // C^2 = sum_v (p_v z_v)^2 ||w_v - g||^2, g = P W: two products of the chunk
-      const MatrixD g = probs * wd;                // m x H
-      const MatrixD wg = g * wd.transpose();       // m x V: w_v . g
-      const Eigen::VectorXd g_sq = g.rowwise().squaredNorm();
-      for (std::int64_t i = 0; i < m; ++i) {
-        double c_sq = 0, c_max = 0;
-        for (std::int64_t v = 0; v < sh.V; ++v)
-          if (pz_sq(i, v) > 0) {
-            const double term = pz_sq(i, v) * std::max(0.0, w_sq(v) - 2 * wg(i, v) + g_sq(i));
-            c_sq += term;
-            c_max = std::max(c_max, term);
-          }
-        // The rms sigma C is the estimate where many roundings share the row; where one token carries it (a softmax
-        // peaked on a wrong token of large |z|) the row's error is that one rounding's, up to u p_v |z_v| |w_v - g|:
-        // the row keeps the larger (in units of sigma, so that row_grad_x = sigma k c_row still holds).
-        c_row[static_cast<std::size_t>(r0 + i)] =
-            nonlinear_of[static_cast<std::size_t>(i)] * std::max(std::sqrt(c_sq), std::sqrt(3.0) * std::sqrt(c_max));
-      }
-    }
+  for (std::int64_t r = 0; r < sh.N(); ++r) {
+    const LogitRow& o = rows[static_cast<std::size_t>(r)];
+    (r < sh.P() * sh.T ? chosen_abs : rejected_abs) += o.abs_sum;
+    (r < sh.P() * sh.T ? chosen_sq : rejected_sq) += o.sq_sum;
   }
   const double PTV = static_cast<double>(sh.P()) * static_cast<double>(sh.T) * static_cast<double>(sh.V);
   lr.chosen_logits_mean = std::min(u * chosen_abs, scalar_safety * sigma * std::sqrt(chosen_sq)) / PTV;
@@ -602,8 +532,8 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
     for (std::int64_t t = 0; t < sh.T; ++t) {
       if (!p.is_completion(b, t)) continue;
       const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
-      worst += worst_l[r];
-      var += var_l[r];
+      worst += rows[r].worst_l;
+      var += rows[r].var_l;
       ++n[static_cast<std::size_t>(b)];
     }
     const std::int64_t nb = n[static_cast<std::size_t>(b)];
@@ -648,15 +578,15 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
       for (std::int64_t t = 0; t < sh.T; ++t) {
         if (!p.is_completion(b, t)) continue;
         const std::size_t r = static_cast<std::size_t>(b * sh.T + t);
-        const double kb = row_k[r] * b_row[r], kc = row_k[r] * c_row[r];
+        const double kb = row_k[r] * rows[r].b_row, kc = row_k[r] * rows[r].c_row;
         double xn_sq = 0;
         for (std::int64_t h = 0; h < sh.H; ++h) {
           const double xv = static_cast<float>(p.x.value(r * static_cast<std::size_t>(sh.H) + static_cast<std::size_t>(h)));
           xn_sq += xv * xv;
         }
         const std::int64_t target = p.target[r];
-        const double kt = op * row_k[r] * target_gap[r];
-        lr.row_target[r] = kt * std::sqrt(w_sq(target));
+        const double kt = op * row_k[r] * rows[r].target_gap;
+        lr.row_target[r] = kt * weight_row_norm(p, target);
         tx_sq += lr.row_target[r] * lr.row_target[r];
         auto& [tw, tb] = by_target[target];
         tw += kt * std::sqrt(xn_sq);

@@ -10,6 +10,7 @@
 #include "verifier/device_reductions.h"
 #include "verifier/error_model.h"
 #include "verifier/implementation.h"
+#include "verifier/logit_rows.h"
 
 #include <gtest/gtest.h>
 
@@ -205,6 +206,51 @@ TEST(DeviceCompare, PlantedWrongCandidatesAreJudgedAsOnTheHost) {
     missing.erase(output_name::grad_x);
     if (!spec.bias) missing[output_name::grad_bias] = Tensor(DType::BF16, {spec.shape.V});
     EXPECT_FALSE(judge_everywhere(j, missing).passed());
+  }
+}
+
+// The bf16_logits profile's row pass on the device (device_logit_rows.cu) against the host's (logit_rows.cpp), each
+// row's terms. They differ by the host's fp32 logits (the device's are float64): each is off by up to
+// gamma_H sum_h |x_h w_h| (Higham 3.1), about H u32 times the row's |z| scale, which moves a row term (sums of
+// p_v |z_v|, (p_v z_v)^2, exp of logit differences) by a few times that relative: 2^-13 is 16 H u32 at H = 512, the
+// largest H here, and leaves room for the terms' sensitivity to a peaked softmax at logit scale 30.
+TEST(DeviceLogitRows, MatchTheHostPassRowByRow) {
+  const double tolerance = 0x1.0p-13;
+  std::vector<CaseSpec> specs = problems();
+  CaseSpec f16 = specs[1], f32 = specs[1];
+  f16.dtype = DType::F16;
+  f32.dtype = DType::F32;
+  specs.push_back(f16);
+  specs.push_back(f32);
+  for (const CaseSpec& spec : specs) {
+    SCOPED_TRACE(spec.shape.to_string() + " " + input_dtype_name(spec.dtype));
+    const Problem p = generate(spec);
+    for (const bool gradients : {false, true}) {
+      const std::vector<LogitRow> host = logit_rows_on_host(p, gradients);
+      const auto device = logit_rows_on_device(p, gradients);
+      ASSERT_TRUE(device.has_value());
+      ASSERT_EQ(device->size(), host.size());
+      double worst = 0;
+      auto close = [&](const char* what, std::size_t r, double h, double d) {
+        const double scale = std::max(std::fabs(h), std::fabs(d));
+        if (scale == 0) return;
+        worst = std::max(worst, std::fabs(h - d) / scale);
+        EXPECT_LE(std::fabs(h - d), tolerance * scale) << what << " of row " << r << ": host " << h << ", device " << d;
+      };
+      for (std::size_t r = 0; r < host.size(); ++r) {
+        const LogitRow &h = host[r], &d = (*device)[r];
+        close("abs_sum", r, h.abs_sum, d.abs_sum);
+        close("sq_sum", r, h.sq_sum, d.sq_sum);
+        close("worst_l", r, h.worst_l, d.worst_l);
+        close("var_l", r, h.var_l, d.var_l);
+        close("b_row", r, h.b_row, d.b_row);
+        close("c_row", r, h.c_row, d.c_row);
+        close("target_gap", r, h.target_gap, d.target_gap);
+        EXPECT_EQ(h.target_gap == 0, d.target_gap == 0) << "row " << r << ": a target on one side only";
+      }
+      std::printf("  %s %s gradients=%d: largest relative difference %.2e\n", spec.shape.to_string().c_str(),
+                  input_dtype_name(spec.dtype).c_str(), gradients ? 1 : 0, worst);
+    }
   }
 }
 
