@@ -21,7 +21,7 @@ _GRADIENTS = ("grad_x", "grad_weight", "grad_bias")
 def fused_linear_simpo_op(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                           ignore_index: int, beta: float, alpha: float, label_smoothing: float, compute_nll_loss: bool,
                           gamma: float, empty_sequence: str, workspace_bytes: int, want_x: bool,
-                          want_weight: bool) -> List[torch.Tensor]:
+                          want_weight: bool, validate: bool) -> List[torch.Tensor]:
     """[8 forward outputs in SPEC's order, grad_x, grad_weight, grad_bias, and their residues]; a gradient not asked
     for, and a residue that does not exist (f32, or the cpu backend), is an empty tensor."""
     from .torch import _check_dtypes, _hyperparameters, _run
@@ -29,7 +29,7 @@ def fused_linear_simpo_op(x: torch.Tensor, weight: torch.Tensor, target: torch.T
     _check_dtypes(x, weight, target, bias)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
     gradients = want_x or want_weight
-    out, residues = _run(x, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight)
+    out, residues = _run(x, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight, validate)
     wanted = {"grad_x": want_x, "grad_weight": want_weight, "grad_bias": want_weight and bias is not None}
     # A missing one is its own empty tensor: an op's outputs may not alias one another.
     grads = [out[n] if wanted[n] and n in out else x.new_empty(0) for n in _GRADIENTS]
@@ -39,7 +39,7 @@ def fused_linear_simpo_op(x: torch.Tensor, weight: torch.Tensor, target: torch.T
 
 @fused_linear_simpo_op.register_fake
 def _(x, weight, target, bias, ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence,
-      workspace_bytes, want_x, want_weight):
+      workspace_bytes, want_x, want_weight, validate):
     B, _, _ = x.shape
     P = B // 2
     f32 = {"dtype": torch.float32, "device": x.device}
@@ -81,20 +81,20 @@ def _backward(ctx, grads):
     hi_lo = ctx.saved_tensors
     scaled = [torch.ops.simpo_verify.scale_gradient(hi_lo[i], hi_lo[i + 3], grad_loss) if hi_lo[i].numel() else None
               for i in range(3)]
-    return (scaled[0], scaled[1], None, scaled[2] if ctx.has_bias else None) + (None,) * 10
+    return (scaled[0], scaled[1], None, scaled[2] if ctx.has_bias else None) + (None,) * 11
 
 
 fused_linear_simpo_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_linear_simpo_compiled(x, weight, target, bias, hp, workspace_bytes):
+def fused_linear_simpo_compiled(x, weight, target, bias, hp, workspace_bytes, validate=True):
     """The op, for a graph being compiled: (loss, aux) as fused_linear_simpo returns them."""
     grad = torch.is_grad_enabled()
     want_x = grad and x.requires_grad
     want_weight = grad and (weight.requires_grad or (bias is not None and bias.requires_grad))
     out = fused_linear_simpo_op(x, weight, target, bias, hp["ignore_index"], hp["beta"], hp["alpha"],
                                 hp["label_smoothing"], hp["compute_nll_loss"], hp["gamma"], hp["empty_sequence"],
-                                workspace_bytes, want_x, want_weight)
+                                workspace_bytes, want_x, want_weight, validate)
     return out[0], tuple(out[1:8])
 
 

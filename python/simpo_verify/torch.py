@@ -37,17 +37,18 @@ from ._arrays import InputError, metadata
 __all__ = ["FusedLinearSimPOLoss", "fused_linear_simpo", "InputError"]
 
 
-def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True):
+def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True, validate=True):
     """-> (dict of SPEC outputs as torch tensors on the inputs' device, dict of the 16-bit gradients' rounding
     residues: cuda only, for backward's scale_gradient)."""
     if _input.is_cuda:
         out, info = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients, grad_x=grad_x,
-                                    grad_weight=grad_weight, residues=gradients, workspace_bytes=workspace_bytes)
+                                    grad_weight=grad_weight, residues=gradients, validate=validate,
+                                    workspace_bytes=workspace_bytes)
         return out, info["residues"]
     _device.check_tensors(_input, weight, target, bias)
     return _compute(_input.detach(), weight.detach(), target.detach(),
                     bias.detach() if bias is not None else None, impl="cpu", gradients=gradients,
-                    workspace_bytes=workspace_bytes, **hp), {}
+                    validate=validate, workspace_bytes=workspace_bytes, **hp), {}
 
 
 _AUX = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss", "chosen_rewards",
@@ -65,14 +66,14 @@ def _check_dtypes(_input, weight, target, bias):
 
 class _FusedLinearSimPOFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, _input, weight, target, bias, hp, workspace_bytes):
+    def forward(ctx, _input, weight, target, bias, hp, workspace_bytes, validate):
         _check_dtypes(_input, weight, target, bias)
         # A frozen input (requires_grad False: LoRA's LM head, frozen hidden states) gets no gradient GEMM.
         want_x = ctx.needs_input_grad[0]
         want_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
         gradients = want_x or want_weight
-        out, residues = _run(_input, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight)
-        ctx.hp, ctx.workspace_bytes = hp, workspace_bytes
+        out, residues = _run(_input, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight, validate)
+        ctx.hp, ctx.workspace_bytes, ctx.validate = hp, workspace_bytes, validate
         ctx.has_bias = bias is not None
         if gradients:
             names = ("grad_x", "grad_weight", "grad_bias")
@@ -94,10 +95,10 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
         elif scale != 1.0:  # the cpu backend keeps no residues: it recomputes with grad_scale (exact, slower)
             hp = dict(ctx.hp)
             hp["grad_scale"] = hp.get("grad_scale", 1.0) * scale
-            out, _ = _run(_input, weight, target, bias, hp, True, ctx.workspace_bytes)
+            out, _ = _run(_input, weight, target, bias, hp, True, ctx.workspace_bytes, validate=ctx.validate)
             grad_x, grad_weight, grad_bias = out["grad_x"], out["grad_weight"], out.get("grad_bias")
         return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None, None,
-                grad_bias if ctx.has_bias and ctx.needs_input_grad[3] else None, None, None)
+                grad_bias if ctx.has_bias and ctx.needs_input_grad[3] else None, None, None, None)
 
 
 def _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence):
@@ -108,25 +109,27 @@ def _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_los
 
 def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, beta=0.1, alpha=1.0,
                        label_smoothing=0.0, compute_nll_loss=False, compiled=True, gamma=0.5, chunk_size=1, *,
-                       empty_sequence="error", workspace_bytes=DEFAULT_WORKSPACE_BYTES):
+                       empty_sequence="error", workspace_bytes=DEFAULT_WORKSPACE_BYTES, validate=True):
     """Liger's liger_fused_linear_simpo (LigerFusedLinearSimPOFunction.apply), same positional arguments and
     defaults (compute_nll_loss defaults to False there, unlike the module). Returns
     (loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards,
     rejected_rewards)). Keyword-only extras: empty_sequence ("error", SPEC's default, or "zero": a sequence
-    with no completion token averages to 0 with no gradient) and workspace_bytes (the kernel's scratch budget)."""
+    with no completion token averages to 0 with no gradient), workspace_bytes (the kernel's scratch budget) and
+    validate (False skips SPEC's NaN/Inf scan of x, weight and bias, one read of each per call: a NaN input then
+    gives NaN outputs instead of InputError; the targets are checked either way)."""
     del compiled, chunk_size  # Liger's knobs: no meaning here (module docstring)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
     if torch.compiler.is_compiling():  # torch.compile: the custom ops, opaque nodes of the graph (_torch_op.py)
         from ._torch_op import fused_linear_simpo_compiled
 
-        return fused_linear_simpo_compiled(_input, weight, target, bias, hp, workspace_bytes)
+        return fused_linear_simpo_compiled(_input, weight, target, bias, hp, workspace_bytes, validate)
     if not torch.is_grad_enabled():
         # no_grad / inference_mode (an evaluation loop): the forward-only schedule, one GEMM instead of three,
         # whatever requires_grad says (autograd.Function.forward cannot see the caller's grad mode).
         _check_dtypes(_input, weight, target, bias)
-        out, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes)
+        out, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes, validate=validate)
         return out["loss"], tuple(out[k] for k in _AUX)
-    loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes)
+    loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes, validate)
     return loss, tuple(aux)
 
 
@@ -135,7 +138,7 @@ class FusedLinearSimPOLoss(torch.nn.Module):
 
     def __init__(self, ignore_index: int = -100, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0,
                  compute_nll_loss: bool = True, compiled: bool = True, gamma: float = 0.5, chunk_size: int = 1, *,
-                 empty_sequence: str = "error", workspace_bytes: int = DEFAULT_WORKSPACE_BYTES):
+                 empty_sequence: str = "error", workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, validate: bool = True):
         super().__init__()
         self.ignore_index = ignore_index
         self.beta = beta
@@ -147,9 +150,10 @@ class FusedLinearSimPOLoss(torch.nn.Module):
         self.chunk_size = chunk_size
         self.empty_sequence = empty_sequence
         self.workspace_bytes = workspace_bytes
+        self.validate = validate
 
     def forward(self, lin_weight, _input, target, bias=None):
         return fused_linear_simpo(_input, lin_weight, target, bias, self.ignore_index, self.beta, self.alpha,
                                   self.label_smoothing, self.compute_nll_loss, self.compiled, self.gamma,
                                   self.chunk_size, empty_sequence=self.empty_sequence,
-                                  workspace_bytes=self.workspace_bytes)
+                                  workspace_bytes=self.workspace_bytes, validate=self.validate)

@@ -61,7 +61,7 @@ def test_no_grad_runs_the_forward_only_schedule(device, monkeypatch):
     w.requires_grad_(True)  # an evaluation loop: the LM head's parameters still require grad
     asked = []
     real_run = svt._run
-    monkeypatch.setattr(svt, "_run", lambda *a: asked.append(a[5]) or real_run(*a))
+    monkeypatch.setattr(svt, "_run", lambda *a, **k: asked.append(a[5]) or real_run(*a, **k))
     with_grad, _ = FusedLinearSimPOLoss()(w, x, t, b)
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
@@ -94,6 +94,20 @@ def test_spec_errors_not_nan(device):
         FusedLinearSimPOLoss()(w, x, t)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_validate_false_skips_only_the_value_scan(device):
+    x, w, t, _ = make(device, bias=False)
+    w[3, 2] = float("nan")  # in every row's logits, so in the loss
+    with pytest.raises(sv.InputError, match=r"non-finite input: weight\(3, 2\)"):
+        FusedLinearSimPOLoss()(w, x, t)
+    loss, _ = FusedLinearSimPOLoss(validate=False)(w, x, t)  # the NaN flows through instead
+    assert torch.isnan(loss)
+    w[3, 2] = 0
+    t[0, :] = -100  # the targets are checked either way
+    with pytest.raises(sv.InputError, match="no completion token"):
+        FusedLinearSimPOLoss(validate=False)(w, x, t)
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or no cuda backend in this build")
 def test_cuda_tensors_stay_on_device_and_compute_matches_host():
     x, w, t, b = make("cuda", H=37)  # H not a multiple of 8: the padded-copy path
@@ -114,7 +128,7 @@ def test_custom_ops_pass_opcheck():
     x, w, t, b = make("cpu")
     x.requires_grad_(True)
     w.requires_grad_(True)
-    args = (x, w, t, b, -100, 0.1, 1.0, 0.0, True, 0.5, "error", 1 << 26, True, True)
+    args = (x, w, t, b, -100, 0.1, 1.0, 0.0, True, 0.5, "error", 1 << 26, True, True, True)
     torch.library.opcheck(fused_linear_simpo_op, args, test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(scale_gradient_op, (w.detach(), w.detach().new_empty(0), torch.tensor(0.25)))
 

@@ -47,10 +47,10 @@ def timed(fn, reps):
 
 def loss_fn(name):
     """-> f(x, w, t) returning the loss (a graph when x, w require grad)."""
-    if name in ("ours", "ours_third"):
+    if name in ("ours", "ours_third", "ours_novalidate"):
         from simpo_verify.torch import FusedLinearSimPOLoss
 
-        m = FusedLinearSimPOLoss()
+        m = FusedLinearSimPOLoss(validate=name != "ours_novalidate")  # novalidate: the NaN/Inf scan's cost
         if name == "ours_third":  # backward with grad_output 1/3 (gradient accumulation over 3 micro-batches)
             return lambda x, w, t: m(w, x, t)[0] / 3
         return lambda x, w, t: m(w, x, t)[0]

@@ -40,7 +40,7 @@ def main():
     # from the reference's dz pass (O(N))
     judge = sv.Judge(problem)
     t2 = time.time()
-    judge.prepare("bf16_logits")  # that profile's scales: fp32 logits on the host, O(N H V), once per problem
+    judge.prepare("bf16_logits")  # that profile's scales: O(N H V), on the device where there is one, once per problem
     t3 = time.time()
     result = {"case": "B=2 T=1024 H=4096 V=128256 seed=0 ignore=prompt_prefix scale=2 (simpo-verify case defaults)",
               "generate_and_upload_s": t1 - t0, "reference_and_scales_s": t2 - t1, "bf16_logits_scales_s": t3 - t2,
