@@ -1,11 +1,12 @@
 // The bf16_logits profile's per-row pass on the device (device_logit_rows.h). Per chunk of m token rows:
 //   Z = X W^T                         (DGEMM; float64 logits, the bias added in the row kernel)
-//   row kernel: max, |z| and z^2 sums, lse, the log-prob error terms and B; with gradients it leaves
-//               P = softmax (0 on rows with no target) and overwrites Z with (p_v z_v)^2
-//   G = P W, WG = G W^T               (DGEMMs; WG over P's buffer)
-//   C kernel:   C^2 = sum_v (p_v z_v)^2 ||w_v - g||^2, ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2
-// The formulas are error_bounds.cpp's host loop, line for line; the logits are float64 here (float32 there), which
-// moves each row's terms by the fp32 logits' own rounding, far below what a bound is read to.
+//   row kernel: max and its index m, |z| and z^2 sums, lse, the log-prob error terms and B; with gradients it
+//               leaves P = softmax with p_m - 1 at m (0 on rows with no target) and overwrites Z with (p_v z_v)^2
+//   G = P W = g - w_m                 (DGEMM), then ||g - w_m||^2 kept and w_m added back
+//   WG = G W^T                        (DGEMM, over P's buffer)
+//   C kernel:   C^2 = sum_v (p_v z_v)^2 ||w_v - g||^2, ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2 (the peak's kept)
+// The formulas are the host pass's (logit_rows.cpp), line for line, in float64 as there: the two differ by the
+// order of their sums.
 #include "verifier/device_logit_rows.h"
 
 #include <cublas_v2.h>
@@ -96,24 +97,58 @@ __device__ double block_max(double v) {
   return s;
 }
 
+// The block's largest value and its first index (the host's strict > scan keeps the first); every thread gets both.
+__device__ void block_argmax(double& value, std::int64_t& index) {
+  __shared__ double values[row_threads / 32];
+  __shared__ std::int64_t indices[row_threads / 32];
+  for (int o = 16; o > 0; o /= 2) {
+    const double v = __shfl_xor_sync(0xffffffffu, value, o);
+    const std::int64_t j = __shfl_xor_sync(0xffffffffu, index, o);
+    if (v > value || (v == value && j < index)) {
+      value = v;
+      index = j;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    values[threadIdx.x / 32] = value;
+    indices[threadIdx.x / 32] = index;
+  }
+  __syncthreads();
+  value = values[0];
+  index = indices[0];
+  for (int w = 1; w < row_threads / 32; ++w)
+    if (values[w] > value || (values[w] == value && indices[w] < index)) {
+      value = values[w];
+      index = indices[w];
+    }
+}
+
 // One block per row of the chunk. z: the row's float64 logits without bias (with gradients overwritten by
-// (p_v z_v)^2); probs: the softmax, or null without gradients. nonlinear[i] keeps the row's expm1(D) / D for C.
+// (p_v z_v)^2); probs: the softmax with its peak's entry p_m - 1 (so that P W = g - w_m, small where p_m ~ 1,
+// without cancelling), or null without gradients. nonlinear[i] keeps the row's expm1(D) / D for C, peak[i] m
+// (-1 on a row with no target).
 __global__ void __launch_bounds__(row_threads) row_kernel(double* z, double* probs, const double* bias,
                                                           const std::int64_t* target, std::int64_t V,
-                                                          std::int64_t ignore_index, LogitRow* out, double* nonlinear) {
+                                                          std::int64_t ignore_index, LogitRow* out, double* nonlinear,
+                                                          std::int64_t* peak) {
   const std::int64_t i = blockIdx.x;
   double* zr = z + i * V;
   double* pr = probs ? probs + i * V : nullptr;
   auto logit = [&](std::int64_t v) { return zr[v] + (bias ? bias[v] : 0.0); };
   double zmax = -INFINITY, zabs_max = 0, abs_sum = 0, sq_sum = 0;
+  std::int64_t argmax = V;
   for (std::int64_t v = threadIdx.x; v < V; v += row_threads) {
     const double zv = logit(v);
-    zmax = fmax(zmax, zv);
+    if (zv > zmax) {
+      zmax = zv;
+      argmax = v;
+    }
     zabs_max = fmax(zabs_max, fabs(zv));
     abs_sum += fabs(zv);
     sq_sum += zv * zv;
   }
-  zmax = block_max(zmax);
+  block_argmax(zmax, argmax);
   zabs_max = block_max(zabs_max);
   abs_sum = block_sum(abs_sum);
   sq_sum = block_sum(sq_sum);
@@ -127,6 +162,7 @@ __global__ void __launch_bounds__(row_threads) row_kernel(double* z, double* pro
     if (threadIdx.x == 0) {
       out[i] = row;
       nonlinear[i] = 1.0;
+      peak[i] = -1;
     }
     return;
   }
@@ -143,7 +179,7 @@ __global__ void __launch_bounds__(row_threads) row_kernel(double* z, double* pro
     own += q * (1 - pv) * (1 - pv);
     own4 += q * pv * pv;
     if (pr) {
-      pr[v] = pv;
+      pr[v] = v == argmax ? expm1(zv - lse) : pv;
       zr[v] = q;
     }
     if (v != t) {
@@ -168,6 +204,21 @@ __global__ void __launch_bounds__(row_threads) row_kernel(double* z, double* pro
   row.b_row = nl * sqrt(fmax(0.0, own + p_sq * a_sq - own4));
   out[i] = row;
   nonlinear[i] = nl;
+  peak[i] = argmax;
+}
+
+// g = (g - w_m) + w_m in place, after keeping ||g - w_m||^2 (the peak's ||w_m - g||^2, free of cancellation).
+__global__ void __launch_bounds__(row_threads) peak_kernel(double* g, const double* w, std::int64_t H,
+                                                           const std::int64_t* peak, double* d_sq) {
+  const std::int64_t i = blockIdx.x;
+  double* gr = g + i * H;
+  double s = 0;
+  for (std::int64_t h = threadIdx.x; h < H; h += row_threads) s += gr[h] * gr[h];
+  s = block_sum(s);
+  if (threadIdx.x == 0) d_sq[i] = s;
+  if (peak[i] < 0) return;
+  const double* wm = w + peak[i] * H;
+  for (std::int64_t h = threadIdx.x; h < H; h += row_threads) gr[h] += wm[h];
 }
 
 // ||w_v||^2 per vocabulary row.
@@ -183,7 +234,8 @@ __global__ void __launch_bounds__(row_threads) row_norms_kernel(const double* w,
 // roundings share the row; where one token carries it the row keeps sqrt(3) times that token's term (README).
 __global__ void __launch_bounds__(row_threads) c_kernel(const double* pz_sq, const double* wg, const double* g,
                                                         const double* w_sq, std::int64_t V, std::int64_t H,
-                                                        const double* nonlinear, LogitRow* out) {
+                                                        const double* nonlinear, const std::int64_t* peak,
+                                                        const double* d_sq, LogitRow* out) {
   const std::int64_t i = blockIdx.x;
   double g_sq = 0;
   for (std::int64_t h = threadIdx.x; h < H; h += row_threads) g_sq += g[i * H + h] * g[i * H + h];
@@ -192,7 +244,8 @@ __global__ void __launch_bounds__(row_threads) c_kernel(const double* pz_sq, con
   for (std::int64_t v = threadIdx.x; v < V; v += row_threads) {
     const double q = pz_sq[i * V + v];
     if (q > 0) {
-      const double term = q * fmax(0.0, w_sq[v] - 2 * wg[i * V + v] + g_sq);
+      const double gap = v == peak[i] ? d_sq[i] : fmax(0.0, w_sq[v] - 2 * wg[i * V + v] + g_sq);
+      const double term = q * gap;
       c_sq += term;
       c_max = fmax(c_max, term);
     }
@@ -278,7 +331,7 @@ bool logit_rows(const LogitRowsInput& in, LogitRow* out) {
   Buffer z(static_cast<std::size_t>(m * V) * d), probs(in.gradients ? static_cast<std::size_t>(m * V) * d : 0);
   Buffer g(in.gradients ? static_cast<std::size_t>(m * H) * d : 0);
   Buffer target(static_cast<std::size_t>(m) * 8), rows(static_cast<std::size_t>(m) * sizeof(LogitRow)),
-      nonlinear(static_cast<std::size_t>(m) * d);
+      nonlinear(static_cast<std::size_t>(m) * d), peak(static_cast<std::size_t>(m) * 8), d_sq(static_cast<std::size_t>(m) * d);
   Handle handle;
   for (std::int64_t r0 = 0; r0 < N; r0 += m) {
     const std::int64_t rows_here = std::min(m, N - r0);
@@ -287,14 +340,19 @@ bool logit_rows(const LogitRowsInput& in, LogitRow* out) {
     gemm_abt(handle.get(), rows_here, V, H, x.as<double>() + r0 * H, w.as<double>(), z.as<double>());
     row_kernel<<<dimension(rows_here), row_threads>>>(z.as<double>(), in.gradients ? probs.as<double>() : nullptr,
                                                        in.bias ? bias.as<double>() : nullptr, target.as<std::int64_t>(), V,
-                                                       in.ignore_index, rows.as<LogitRow>(), nonlinear.as<double>());
+                                                       in.ignore_index, rows.as<LogitRow>(), nonlinear.as<double>(),
+                                                       peak.as<std::int64_t>());
     check(cudaGetLastError(), "row_kernel");
     if (in.gradients) {
       gemm_ab(handle.get(), rows_here, H, V, probs.as<double>(), w.as<double>(), g.as<double>());
+      peak_kernel<<<dimension(rows_here), row_threads>>>(g.as<double>(), w.as<double>(), H, peak.as<std::int64_t>(),
+                                                         d_sq.as<double>());
+      check(cudaGetLastError(), "peak_kernel");
       double* wg = probs.as<double>();  // P is read only by the product above
       gemm_abt(handle.get(), rows_here, V, H, g.as<double>(), w.as<double>(), wg);
       c_kernel<<<dimension(rows_here), row_threads>>>(z.as<double>(), wg, g.as<double>(), w_sq.as<double>(), V, H,
-                                                      nonlinear.as<double>(), rows.as<LogitRow>());
+                                                      nonlinear.as<double>(), peak.as<std::int64_t>(), d_sq.as<double>(),
+                                                      rows.as<LogitRow>());
       check(cudaGetLastError(), "c_kernel");
     }
     check(cudaMemcpy(out + r0, rows.as<void>(), static_cast<std::size_t>(rows_here) * sizeof(LogitRow), cudaMemcpyDeviceToHost),

@@ -12,7 +12,7 @@ namespace simpo::verifier {
 
 namespace {
 
-// Where the host pass's O(N H V) fp32 product outweighs starting the device pass (a cuBLAS handle, the inputs
+// Where the host pass's O(N H V) float64 products outweigh starting the device pass (a cuBLAS handle, the inputs
 // uploaded and widened): about a second of this machine's Eigen against a fraction of that.
 constexpr double device_min_products = 0x1.0p31;
 
@@ -26,34 +26,37 @@ std::vector<LogitRow> logit_rows_on_host(const Problem& p, bool gradients) {
   const Shape& sh = p.shape;
   const double u = 0x1.0p-8, sigma = u / std::sqrt(3.0);
   std::vector<LogitRow> out(static_cast<std::size_t>(sh.N()));
-  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  Matrix w(sh.V, sh.H);
-  for (std::int64_t i = 0; i < sh.V * sh.H; ++i) w.data()[i] = static_cast<float>(p.weight.value(static_cast<std::size_t>(i)));
-  // ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2, in double (w ~ g for a peaked softmax: fp32 would cancel).
-  MatrixD wd;
+  // The logits in float64: the bound is derived from the problem's exact logits (fp32 ones would move the terms of
+  // a peaked row by their own rounding, and the device pass by a different one).
+  MatrixD wd(sh.V, sh.H);
+  for (std::int64_t i = 0; i < sh.V * sh.H; ++i) wd.data()[i] = p.weight.value(static_cast<std::size_t>(i));
   Eigen::VectorXd w_sq;
-  if (gradients) {
-    wd = w.cast<double>();
-    w_sq = wd.rowwise().squaredNorm();
-  }
+  if (gradients) w_sq = wd.rowwise().squaredNorm();
   const std::int64_t rows = std::max<std::int64_t>(1, std::min<std::int64_t>(sh.N(), (std::int64_t{32} << 20) / (8 * sh.V)));
   std::vector<double> row(static_cast<std::size_t>(sh.V));
   for (std::int64_t r0 = 0; r0 < sh.N(); r0 += rows) {
     const std::int64_t m = std::min(rows, sh.N() - r0);
-    Matrix x(m, sh.H);
-    for (std::int64_t i = 0; i < m * sh.H; ++i) x.data()[i] = static_cast<float>(p.x.value(static_cast<std::size_t>(r0 * sh.H + i)));
-    const Matrix z = x * w.transpose();
-    MatrixD probs = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // softmax of rows with a target
-    MatrixD pz_sq = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);  // (p_v z_v)^2
+    MatrixD x(m, sh.H);
+    for (std::int64_t i = 0; i < m * sh.H; ++i) x.data()[i] = p.x.value(static_cast<std::size_t>(r0 * sh.H + i));
+    const MatrixD z = x * wd.transpose();
+    // Rows with a target: the softmax with its peak's entry p_m - 1 (so that P W = g - w_m, small where p_m ~ 1,
+    // without cancelling), and (p_v z_v)^2.
+    MatrixD probs = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);
+    MatrixD pz_sq = MatrixD::Zero(gradients ? m : 0, gradients ? sh.V : 0);
     std::vector<double> nonlinear_of(static_cast<std::size_t>(m), 1.0);
+    std::vector<std::int64_t> peak(static_cast<std::size_t>(m), -1);
     for (std::int64_t i = 0; i < m; ++i) {
       LogitRow& o = out[static_cast<std::size_t>(r0 + i)];
       double zmax = -INFINITY, zabs_max = 0;
+      std::int64_t argmax = 0;
       for (std::int64_t v = 0; v < sh.V; ++v) {
-        const double zv = z(i, v) + (p.bias ? static_cast<double>(static_cast<float>(p.bias->value(static_cast<std::size_t>(v)))) : 0.0);
+        const double zv = z(i, v) + (p.bias ? p.bias->value(static_cast<std::size_t>(v)) : 0.0);
         row[static_cast<std::size_t>(v)] = zv;
-        zmax = std::max(zmax, zv);
+        if (zv > zmax) {
+          zmax = zv;
+          argmax = v;
+        }
         zabs_max = std::max(zabs_max, std::fabs(zv));
         o.abs_sum += std::fabs(zv);
         o.sq_sum += zv * zv;
@@ -73,13 +76,14 @@ std::vector<LogitRow> logit_rows_on_host(const Problem& p, bool gradients) {
         own += q * (1 - pv) * (1 - pv);
         own4 += q * pv * pv;
         if (gradients) {
-          probs(i, v) = pv;
+          probs(i, v) = v == argmax ? std::expm1(zv - lse) : pv;
           pz_sq(i, v) = q;
         }
         if (v == target) continue;
         off_abs += pv * std::fabs(zv);
         off_sq += q;
       }
+      peak[static_cast<std::size_t>(i)] = argmax;
       const double zt = row[static_cast<std::size_t>(target)], pt = std::exp(zt - lse);
       o.target_gap = -std::expm1(zt - lse);
       const double D = 2 * u * zabs_max;
@@ -90,14 +94,19 @@ std::vector<LogitRow> logit_rows_on_host(const Problem& p, bool gradients) {
       o.b_row = nonlinear * std::sqrt(std::max(0.0, own + p_sq * a_sq - own4));
     }
     if (gradients) {  // C^2 = sum_v (p_v z_v)^2 ||w_v - g||^2, g = P W: two products of the chunk
-      const MatrixD g = probs * wd;                // m x H
-      const MatrixD wg = g * wd.transpose();       // m x V: w_v . g
-      const Eigen::VectorXd g_sq = g.rowwise().squaredNorm();
+      const MatrixD d = probs * wd;  // m x H: g - w_m
+      MatrixD g = d;
+      for (std::int64_t i = 0; i < m; ++i)
+        if (peak[static_cast<std::size_t>(i)] >= 0) g.row(i) += wd.row(peak[static_cast<std::size_t>(i)]);
+      const MatrixD wg = g * wd.transpose();  // m x V: w_v . g
+      const Eigen::VectorXd g_sq = g.rowwise().squaredNorm(), d_sq = d.rowwise().squaredNorm();
       for (std::int64_t i = 0; i < m; ++i) {
         double c_sq = 0, c_max = 0;
         for (std::int64_t v = 0; v < sh.V; ++v)
           if (pz_sq(i, v) > 0) {
-            const double term = pz_sq(i, v) * std::max(0.0, w_sq(v) - 2 * wg(i, v) + g_sq(i));
+            // ||w_v - g||^2 = ||w_v||^2 - 2 w_v.g + ||g||^2, which cancels only where g ~ w_v, i.e. at the peak.
+            const double gap = v == peak[static_cast<std::size_t>(i)] ? d_sq(i) : std::max(0.0, w_sq(v) - 2 * wg(i, v) + g_sq(i));
+            const double term = pz_sq(i, v) * gap;
             c_sq += term;
             c_max = std::max(c_max, term);
           }

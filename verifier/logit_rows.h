@@ -13,7 +13,7 @@ namespace simpo::verifier {
 
 using LogitRow = device::LogitRow;
 
-// The host pass: fp32 logits in Eigen, the row terms in double.
+// The host pass: the logits and every row term in float64 (Eigen).
 std::vector<LogitRow> logit_rows_on_host(const Problem&, bool gradients);
 // The device pass (device_logit_rows.h): nullopt where this build has no CUDA, no device is present, or its memory
 // cannot hold the pass.
