@@ -270,26 +270,33 @@ def build_model(a, dtype, device):
     return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
-def compile_step(fn, name, status):
-    """torch.compile(fn, fullgraph=True); where that cannot trace, the same with graph breaks allowed, and the
-    reason recorded in status[name]."""
-    full = torch.compile(fn, fullgraph=True)
-    state = {"fn": full}
+def compile_step(make_step, name, status):
+    """torch.compile of the way's model forward + loss with fullgraph=True; where that cannot trace, the same with
+    graph breaks allowed; where dynamo cannot run the loss at all, the model forward compiled and the loss eager
+    (torch.compiler.disable). status[name] records which, with the first failure's reason."""
+    tiers = [("fullgraph", lambda: torch.compile(make_step(False), fullgraph=True)),
+             ("graph breaks", lambda: torch.compile(make_step(False))),
+             ("model compiled, loss eager", lambda: torch.compile(make_step(True)))]
+    state = {"tier": 0, "fn": tiers[0][1](), "why": ""}
+    status[name] = tiers[0][0]
 
     def call(*args):
-        try:
-            return state["fn"](*args)
-        except Exception as e:  # noqa: BLE001 - dynamo's Unsupported and its wrappers vary by version
-            if state["fn"] is not full:
-                raise
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            print(f"  {name}: fullgraph compile failed ({reason}); compiling with graph breaks", flush=True)
-            status[name] = f"graph breaks: {reason}"
-            torch._dynamo.reset()
-            state["fn"] = torch.compile(fn)
-            return state["fn"](*args)
+        while True:
+            try:
+                return state["fn"](*args)
+            except Exception as e:  # noqa: BLE001 - dynamo's Unsupported and its wrappers vary by version
+                if state["tier"] + 1 >= len(tiers):
+                    raise
+                if not state["why"]:
+                    state["why"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                state["tier"] += 1
+                label = tiers[state["tier"]][0]
+                print(f"  {name}: {tiers[state['tier'] - 1][0]} failed ({type(e).__name__}); trying {label}",
+                      flush=True)
+                status[name] = f"{label} (fullgraph: {state['why']})"
+                torch._dynamo.reset()
+                state["fn"] = tiers[state["tier"]][1]()
 
-    status[name] = "fullgraph"
     return call
 
 
@@ -321,15 +328,18 @@ def main(argv=None):
     del init
     optims = {w: torch.optim.AdamW(models[w].parameters(), lr=a.lr, weight_decay=0.0) for w in names}
 
-    def step_fn_for(fn):
+    def step_fn_for(fn, loss_eager=False):
+        loss_fn = torch.compiler.disable(fn) if loss_eager else fn
+
         def step_fn(model, ids, mask, labels):
-            return fn(hidden_states(model, ids, mask), model.lm_head, labels)[0]
+            return loss_fn(hidden_states(model, ids, mask), model.lm_head, labels)[0]
         return step_fn
 
     compile_status = {}
-    steps = {w: step_fn_for(ways[w]) for w in names}
     if a.compile:
-        steps = {w: compile_step(steps[w], w, compile_status) for w in names}
+        steps = {w: compile_step(lambda eager, f=ways[w]: step_fn_for(f, eager), w, compile_status) for w in names}
+    else:
+        steps = {w: step_fn_for(ways[w]) for w in names}
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -432,8 +442,9 @@ def plot(result, names, ref_way, path, tag):
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    colors = {w: f"C{i}" for i, w in enumerate(names)}
     for w in names:
-        top.plot(result["train"][w]["loss"], label=w, lw=1.2)
+        top.plot(result["train"][w]["loss"], label=w, lw=1.2, c=colors[w])
     top.set_ylabel("training loss (own trajectory)")
     top.set_title(f"SimPO, three ways: {tag}")
     top.legend()
@@ -442,9 +453,10 @@ def plot(result, names, ref_way, path, tag):
         if w == ref_way:
             continue
         d = [abs(e["diff_to_" + ref_way][w]) for e in result["same_state"]]
-        bottom.semilogy(steps, [max(v, 1e-12) for v in d], label=f"|{w} - {ref_way}|, same state", lw=1.0)
+        bottom.semilogy(steps, [max(v, 1e-12) for v in d], label=f"|{w} - {ref_way}|, same state", lw=1.0,
+                      c=colors[w])
         traj = [abs(x - y) for x, y in zip(result["train"][w]["loss"], result["train"][ref_way]["loss"])]
-        bottom.semilogy(range(len(traj)), [max(v, 1e-12) for v in traj], ls=":", lw=0.8,
+        bottom.semilogy(range(len(traj)), [max(v, 1e-12) for v in traj], ls=":", lw=0.8, c=colors[w],
                         label=f"|{w} - {ref_way}|, own trajectories")
     checks = result["bound_checks"]
     if checks:
