@@ -7,9 +7,9 @@ synthetic preference pairs: a random prompt, a chosen completion that counts up 
 (token + 1 mod V, a rule the model can learn) and a rejected completion of random tokens. Each way trains its own
 copy of one seeded initial state on the same batches with AdamW. Three trainings drift apart by rounding, so the
 agreement claim rests on the same-state check: at every step, on the `ours` copy's state before its update, all
-three losses (and gradients) are computed on the same batch; at step 0 and every --judge-every steps the project's
-verifier (simpo_verify.Judge, float64 reference) judges each way's outputs and gives the error model's bound on
-the loss, against which the loss differences are held.
+three losses (and gradients, at grad_scale 1/accumulation) are computed eagerly on the step's first micro-batch;
+at step 0, every --judge-every steps and the last, the project's verifier (simpo_verify.Judge, float64 reference)
+judges each way's outputs and gives the error model's bound on the loss, against which the differences are held.
 
     python3 python/examples/train_simpo.py --dtype bf16 --steps 50 --out results/
     python3 python/examples/train_simpo.py --device cpu --steps 3 --layers 1 --hidden 128 --vocab 512 --seq 64
@@ -232,7 +232,8 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=float, default=0.5)
     p.add_argument("--cpo-alpha", type=float, default=1.0,
                    help="NLL weight: TRL's cpo_alpha, Liger's and ours' alpha (0: compute_nll_loss False)")
-    p.add_argument("--judge-every", type=int, default=10, help="verifier judgement at step 0 and every N (0: off)")
+    p.add_argument("--judge-every", type=int, default=10,
+                   help="verifier judgement at step 0, every N and the last (0: off)")
     p.add_argument("--trl-logsoftmax", choices=("fp32", "model"), default="fp32",
                    help="TRL's log-softmax in float32 (as under autocast) or in the logits' dtype")
     p.add_argument("--seed", type=int, default=0)
@@ -349,16 +350,18 @@ def main(argv=None):
     ref_way = "ours" if "ours" in names else names[0]
     for step in range(a.steps):
         batches = [make_batch(a.seed, step, m, a.pairs, a.seq, a.vocab, device) for m in range(a.accumulation)]
-        judged = a.judge_every > 0 and step % a.judge_every == 0
+        judged = a.judge_every > 0 and (step % a.judge_every == 0 or step == a.steps - 1)
+        t_judge = time.perf_counter()
         losses, verdicts = same_state(models[ref_way], ways, batches[0], hp, 1.0 / a.accumulation, judged, profiles)
         entry = {"step": step, "loss": losses, "diff_to_" + ref_way: {w: losses[w] - losses[ref_way] for w in names}}
         if verdicts:
             entry["judge"] = verdicts
+            entry["judge_s"] = time.perf_counter() - t_judge
             parts = []
             for w in names:
                 for prof, v in verdicts[w].items():
                     parts.append(f"{w} {prof} {'PASS' if v['passed'] else 'FAIL ' + ','.join(v['failed'])}")
-            print(f"step {step}: same state: " + ", ".join(parts), flush=True)
+            print(f"step {step}: same state ({entry['judge_s']:.1f} s): " + ", ".join(parts), flush=True)
         same.append(entry)
         for w in names:
             model, opt = models[w], optims[w]
