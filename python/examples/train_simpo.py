@@ -203,8 +203,8 @@ def judge_profiles(dtype_name, ways):
     """Which of the verifier's profiles each way is held to: ours to strict; TRL and Liger round the logits to
     the inputs' dtype before the softmax, the bf16_logits profile's model (in float32 that rounding is the
     fp32 GEMM's own, so strict)."""
-    other = "strict" if dtype_name == "f32" else "bf16_logits"
-    return {w: ["strict"] if w == "ours" else [other, "strict"] for w in ways}
+    other = ["strict"] if dtype_name == "f32" else ["bf16_logits", "strict"]
+    return {w: ["strict"] if w == "ours" else other for w in ways}
 
 
 # ---------------------------------------------------------------------------------------------------------------
