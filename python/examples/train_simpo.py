@@ -261,7 +261,10 @@ def parse_args(argv=None):
 
 
 def build_model(a, dtype, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        sys.exit(f"train_simpo.py builds its model from transformers' LlamaConfig: {e} (pip install transformers)")
 
     config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                          num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.heads,
