@@ -170,14 +170,18 @@ __global__ void __launch_bounds__(row_threads) row_kernel(double* z, double* pro
   double sum = 0;
   for (std::int64_t v = threadIdx.x; v < V; v += row_threads) sum += exp(logit(v) - zmax);
   const double lse = zmax + log(block_sum(sum));
-  // a_sq = sum p^2 z^2, p_sq = ||p||^2, own = sum p^2 z^2 (1 - p)^2, own4 = sum p^4 z^2: B^2 = own + p_sq a_sq - own4
-  double a_sq = 0, p_sq = 0, own = 0, own4 = 0, off_abs = 0, off_sq = 0;
+  // B^2 as the host pass splits it (logit_rows.cpp): the peak m's terms apart, so that a peaked row does not cancel.
+  double a_sq = 0, a_off = 0, p_off = 0, own = 0, own4_off = 0, off_abs = 0, off_sq = 0;
   for (std::int64_t v = threadIdx.x; v < V; v += row_threads) {
     const double zv = logit(v), pv = exp(zv - lse), q = pv * pv * zv * zv;
+    const double gap = v == argmax ? -expm1(zv - lse) : 1 - pv;
     a_sq += q;
-    p_sq += pv * pv;
-    own += q * (1 - pv) * (1 - pv);
-    own4 += q * pv * pv;
+    own += q * gap * gap;
+    if (v != argmax) {
+      a_off += q;
+      p_off += pv * pv;
+      own4_off += q * pv * pv;
+    }
     if (pr) {
       pr[v] = v == argmax ? expm1(zv - lse) : pv;
       zr[v] = q;
@@ -188,20 +192,21 @@ __global__ void __launch_bounds__(row_threads) row_kernel(double* z, double* pro
     }
   }
   a_sq = block_sum(a_sq);
-  p_sq = block_sum(p_sq);
+  a_off = block_sum(a_off);
+  p_off = block_sum(p_off);
   own = block_sum(own);
-  own4 = block_sum(own4);
+  own4_off = block_sum(own4_off);
   off_abs = block_sum(off_abs);
   off_sq = block_sum(off_sq);
   if (threadIdx.x != 0) return;
-  const double pt = exp(zt - lse);
-  row.target_gap = -expm1(zt - lse);
+  const double gt = -expm1(zt - lse), p_peak = exp(zmax - lse);  // 1 - p_t; p_m
+  row.target_gap = gt;
   const double D = 2 * u * zabs_max;
   const double nl = D > 0 ? expm1(D) / D : 1.0;
   const double sigma_sq = u * u / 3;
-  row.worst_l = nl * u * (fabs(zt) * (1 - pt) + off_abs);
-  row.var_l = nl * nl * sigma_sq * (zt * zt * (1 - pt) * (1 - pt) + off_sq);
-  row.b_row = nl * sqrt(fmax(0.0, own + p_sq * a_sq - own4));
+  row.worst_l = nl * u * (fabs(zt) * gt + off_abs);
+  row.var_l = nl * nl * sigma_sq * (zt * zt * gt * gt + off_sq);
+  row.b_row = nl * sqrt(fmax(0.0, own + p_off * a_sq - own4_off + p_peak * p_peak * a_off));
   out[i] = row;
   nonlinear[i] = nl;
   peak[i] = argmax;

@@ -66,15 +66,21 @@ std::vector<LogitRow> logit_rows_on_host(const Problem& p, bool gradients) {
       double sum = 0;
       for (double zv : row) sum += std::exp(zv - zmax);
       const double lse = zmax + std::log(sum);
-      // a_sq = sum p^2 z^2, p_sq = ||p||^2, own = sum p^2 z^2 (1 - p)^2, own4 = sum p^4 z^2: B^2 = own + p_sq a_sq - own4
-      double off_abs = 0, off_sq = 0, a_sq = 0, p_sq = 0, own = 0, own4 = 0;
+      // B^2 = sum_v p_v^2 z_v^2 (1 - p_v)^2 + sum_v p_v^2 (a_sq - q_v), q_v = p_v^2 z_v^2, a_sq = sum_v q_v: the peak m's
+      // second term as p_m^2 sum_{v != m} q_v and its 1 - p_m from expm1, so that a peaked row does not cancel.
+      double off_abs = 0, off_sq = 0, a_sq = 0, a_off = 0, p_off = 0, own = 0, own4_off = 0, p_peak = 0;
       for (std::int64_t v = 0; v < sh.V; ++v) {
         const double zv = row[static_cast<std::size_t>(v)], pv = std::exp(zv - lse);
-        const double q = pv * pv * zv * zv;
+        const double q = pv * pv * zv * zv, gap = v == argmax ? -std::expm1(zv - lse) : 1 - pv;
         a_sq += q;
-        p_sq += pv * pv;
-        own += q * (1 - pv) * (1 - pv);
-        own4 += q * pv * pv;
+        own += q * gap * gap;
+        if (v == argmax) {
+          p_peak = pv;
+        } else {
+          a_off += q;
+          p_off += pv * pv;
+          own4_off += q * pv * pv;
+        }
         if (gradients) {
           probs(i, v) = v == argmax ? std::expm1(zv - lse) : pv;
           pz_sq(i, v) = q;
@@ -84,14 +90,14 @@ std::vector<LogitRow> logit_rows_on_host(const Problem& p, bool gradients) {
         off_sq += q;
       }
       peak[static_cast<std::size_t>(i)] = argmax;
-      const double zt = row[static_cast<std::size_t>(target)], pt = std::exp(zt - lse);
-      o.target_gap = -std::expm1(zt - lse);
+      const double zt = row[static_cast<std::size_t>(target)], gt = -std::expm1(zt - lse);  // 1 - p_t
+      o.target_gap = gt;
       const double D = 2 * u * zabs_max;
       const double nonlinear = D > 0 ? std::expm1(D) / D : 1.0;
       nonlinear_of[static_cast<std::size_t>(i)] = nonlinear;
-      o.worst_l = nonlinear * u * (std::fabs(zt) * (1 - pt) + off_abs);
-      o.var_l = nonlinear * nonlinear * sigma * sigma * (zt * zt * (1 - pt) * (1 - pt) + off_sq);
-      o.b_row = nonlinear * std::sqrt(std::max(0.0, own + p_sq * a_sq - own4));
+      o.worst_l = nonlinear * u * (std::fabs(zt) * gt + off_abs);
+      o.var_l = nonlinear * nonlinear * sigma * sigma * (zt * zt * gt * gt + off_sq);
+      o.b_row = nonlinear * std::sqrt(std::max(0.0, own + p_off * a_sq - own4_off + p_peak * p_peak * a_off));
     }
     if (gradients) {  // C^2 = sum_v (p_v z_v)^2 ||w_v - g||^2, g = P W: two products of the chunk
       const MatrixD d = probs * wd;  // m x H: g - w_m

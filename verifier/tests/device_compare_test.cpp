@@ -211,10 +211,10 @@ TEST(DeviceCompare, PlantedWrongCandidatesAreJudgedAsOnTheHost) {
 
 // The bf16_logits profile's row pass on the device (device_logit_rows.cu) against the host's (logit_rows.cpp), each
 // row's terms. Both evaluate the same float64 formulas; only the order of their sums differs. A logit is a sum of
-// H products, so two orders differ by at most delta = 2 gamma_H sum_h |x_h w_h| <= 2 H u64 max ||x_r|| max ||w_v||
-// (Higham 3.1 and Cauchy-Schwarz); a row term is a smooth function of logits and logit differences, each scaled by
-// at most |z| <= max ||x_r|| max ||w_v|| + max |b_v| = zbound, so it moves by at most about delta (1 + zbound)
-// relative; C's two products over V and H add their own gamma, far smaller. 4 delta (1 + zbound) covers both.
+// H products, so two orders differ by at most 2 gamma_H sum_h |x_h w_h| <= 2 H u64 xw, xw = max ||x_r|| max ||w_v||
+// (Higham 3.1 and Cauchy-Schwarz): through exp that is a relative change of the softmax terms; a sum over V of
+// nonnegative terms moves by at most 2 gamma_V relative. A row term multiplies these by at most (1 + zbound) per
+// factor of z it holds (|z| <= xw + max |b_v| = zbound; C holds two): 4 (H xw + V) 2 u64 (1 + zbound)^2.
 double row_terms_tolerance(const Problem& p) {
   auto max_row_norm = [](const InputValues& v, std::int64_t rows, std::int64_t cols) {
     double best = 0;
@@ -228,8 +228,8 @@ double row_terms_tolerance(const Problem& p) {
   const Shape& s = p.shape;
   const double xw = max_row_norm(p.x, s.N(), s.H) * max_row_norm(p.weight, s.V, s.H);
   const double bias = p.bias ? max_row_norm(*p.bias, s.V, 1) : 0.0;
-  const double delta = 2 * static_cast<double>(s.H) * 0x1.0p-53 * xw;
-  return 4 * delta * (1 + xw + bias);
+  const double zbound = xw + bias;
+  return 4 * (static_cast<double>(s.H) * xw + static_cast<double>(s.V)) * 2 * 0x1.0p-53 * (1 + zbound) * (1 + zbound);
 }
 
 TEST(DeviceLogitRows, MatchTheHostPassRowByRow) {
