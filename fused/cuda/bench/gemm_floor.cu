@@ -273,7 +273,7 @@ std::vector<Candidate> lt_candidates(cublasLtHandle_t lt, const Problem& p, int 
 //   grad_x   A = dZ [M, V] RowMajor, B = W [K = V, N = H] n-contiguous (RowMajor)
 //   grad_W   A = dZ^T [V, M] m-contiguous (ColumnMajor), B = X [K = M, N = H] RowMajor; C = D = dW
 #if defined(SIMPO_HAVE_CUTLASS_SM90)
-using namespace cute;
+// No `using namespace cute` here: with it, nvcc's generated stubs find two anonymous namespaces (ours, cute's).
 using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using Ping = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
@@ -283,8 +283,8 @@ using PingEpi = cutlass::epilogue::TmaWarpSpecialized;
 // ping-pong: each warpgroup owns a tile and their epilogues overlap the other's mainloop.
 template <int TM, int TN, int CM, int CN, class Schedule_, class Epi_>
 struct Config {
-  using Tile = Shape<Int<TM>, Int<TN>, _64>;
-  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
+  using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
   using Schedule = Schedule_;
   using Epi = Epi_;
   static std::string name() {
@@ -319,7 +319,7 @@ struct Sm90Gemm {
       typename Cfg::Tile, typename Cfg::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Cfg::Schedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
@@ -460,14 +460,20 @@ double sample_difference(const std::vector<float>& a, const std::vector<float>& 
   return scale > 0 ? diff / scale : std::numeric_limits<double>::infinity();
 }
 
-// `count` bf16 values from `base` at `stride`-element steps, as doubles (a row or a column of an operand).
+// `count` bf16 values from `base` at `stride`-element steps (a row or a column of an operand), as floats.
+__global__ void gather_strided(const __nv_bfloat16* base, std::int64_t stride, std::int64_t count, float* out) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += std::int64_t(gridDim.x) * blockDim.x)
+    out[i] = __bfloat162float(base[i * stride]);
+}
+
 std::vector<double> fetch_vector(const __nv_bfloat16* base, std::int64_t stride, std::int64_t count) {
-  std::vector<__nv_bfloat16> raw(count);
-  SIMPO_CUDA_CHECK(cudaMemcpy2D(raw.data(), sizeof(__nv_bfloat16), base, stride * sizeof(__nv_bfloat16),
-                                sizeof(__nv_bfloat16), count, cudaMemcpyDeviceToHost));
-  std::vector<double> out(count);
-  for (std::int64_t i = 0; i < count; ++i) out[i] = __bfloat162float(raw[i]);
-  return out;
+  DeviceBuffer dev(count * 4, "host check vector");
+  gather_strided<<<256, 256>>>(base, stride, count, dev.as<float>());
+  SIMPO_CUDA_CHECK_LAUNCH();
+  std::vector<float> raw(count);
+  SIMPO_CUDA_CHECK(cudaMemcpy(raw.data(), dev.get(), count * 4, cudaMemcpyDeviceToHost));
+  return std::vector<double>(raw.begin(), raw.end());
 }
 
 // cuBLAS's default against fp64 on the host at the first `count` hashed sample positions (start: C's sampled
@@ -481,7 +487,7 @@ double reference_error(const Problem& p, const std::vector<float>& start, const 
     // Row i of op(A) and column j of op(B).
     const auto a = p.ta == CUBLAS_OP_N ? fetch_vector(p.A + i, p.lda, p.k) : fetch_vector(p.A + i * p.lda, 1, p.k);
     const auto b = p.tb == CUBLAS_OP_N ? fetch_vector(p.B + j * p.ldb, 1, p.k) : fetch_vector(p.B + j, p.ldb, p.k);
-    double exact = p.beta * start[s];
+    double exact = p.beta != 0.0f ? p.beta * double(start[s]) : 0.0;  // start is NaN where beta = 0
     for (std::int64_t l = 0; l < p.k; ++l) exact += a[l] * b[l];
     diff = std::max(diff, std::abs(ref[s] - exact));
     scale = std::max(scale, std::abs(exact));
