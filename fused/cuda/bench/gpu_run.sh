@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The cuda backend's GPU session in one call, for a lent GPU machine that has no Eigen/GTest to build with:
 #   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test, cuda_bench,
-#                                                  gemm_accuracy and fused_accuracy_table, a CTest file of the
-#                                                  gpu-labelled tests, libgomp and libcupti into STAGE
-#   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all): gemm (gemm_accuracy: the logits
-#                                                  GEMMs' error and speed), ctest (ctest -L gpu), accuracy
+#                                                  gemm_accuracy, gemm_floor and fused_accuracy_table, a CTest
+#                                                  file of the gpu-labelled tests, libgomp and libcupti into STAGE
+#   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all but floor): gemm (gemm_accuracy:
+#                                                  the logits GEMMs' error and speed), floor (gemm_floor: the best
+#                                                  GEMM per step shape, FLOOR_ARGS), ctest (ctest -L gpu), accuracy
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
 #                                                  the BENCH_EXTRA forms and the 64 MiB low-memory schedule),
 #                                                  sanitize (memcheck on the suite, racecheck on
 #                                                  small cases); logs in $OUT
-# Knobs (environment): BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
+# Knobs (environment): FLOOR_ARGS (gemm_floor's arguments, default none: M = 2048 4096), BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
 # (the same for fused_accuracy_table), SMALL_WORKSPACE, PEERS_JSON (default: bench/peers.json),
 # MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY.
 set -u
@@ -18,7 +19,7 @@ if [ "$mode" = stage ]; then
   build=${2:?build folder}; stage=${3:?stage folder}
   rm -rf "$stage" && mkdir -p "$stage/lib" || exit 2
   cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$build/fused/cuda/gemm_accuracy" \
-     "$build/fused/tests/fused_accuracy_table" "$stage/" || exit 2
+     "$build/fused/cuda/gemm_floor" "$build/fused/tests/fused_accuracy_table" "$stage/" || exit 2
   # The discovered tests (add_test + LABELS gpu) with their absolute build path made relocatable; listing
   # them here (ctest -N) refreshes the discovery, which needs no GPU.
   (cd "$build/fused/cuda" && ctest -N > /dev/null) || exit 2
@@ -48,6 +49,13 @@ if want gemm; then
   echo "== gemm_accuracy"
   "$stage/gemm_accuracy" 2>&1 | tee "$OUT/gemm.log"
   summary+=("gemm_accuracy exit ${PIPESTATUS[0]}")
+fi
+
+if want floor; then
+  # Not in the default parts: some minutes per M (every candidate, each timed beside cuBLAS's default).
+  echo "== gemm_floor ${FLOOR_ARGS:-}"
+  "$stage/gemm_floor" ${FLOOR_ARGS:-} 2>&1 | tee "$OUT/floor.log"
+  summary+=("gemm_floor exit ${PIPESTATUS[0]}")
 fi
 
 if want ctest; then
@@ -117,4 +125,5 @@ fi
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"
+[ -f "$OUT/floor.log" ] && grep -E "^device|^peak|^FLOOR|REJECTED|REFERENCE WRONG" "$OUT/floor.log"
 [ -f "$OUT/bench.log" ] && grep -E "^ *[0-9]+ \||^device|^==" "$OUT/bench.log"
