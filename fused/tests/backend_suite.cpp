@@ -339,5 +339,40 @@ TEST(SIMPO_SUITE(Errors), InvalidProblemsAreInputErrors) {
   EXPECT_THROW(compute(problem, backend_options()), InputError);
 }
 
+// SPEC's NaN/Inf rule names the first non-finite element in validate()'s order (x, weight, bias), in every input
+// dtype. V H = 37 x 13 is no multiple of a 16-byte vector: the scan's last elements are read one at a time.
+TEST(SIMPO_SUITE(Errors), NonFiniteInputsNameTheFirstOne) {
+  SKIP_WITHOUT_BACKEND();
+  for (const DType dtype : {DType::BF16, DType::F16, DType::F32}) {
+    CaseSpec spec = spec_of({.B = 2, .T = 4, .H = 13, .V = 37}, 2.0, 49);
+    spec.dtype = dtype;
+    spec.bias = true;
+    SCOPED_TRACE(input_dtype_name(dtype));
+    auto set = [](InputValues& values, std::size_t i, float value) {
+      values.visit([&](auto& v) { v[i] = static_cast<std::decay_t<decltype(v[0])>>(value); });
+    };
+    auto message_of = [&](const Problem& p) {
+      try {
+        compute(p, backend_options());
+      } catch (const InputError& e) {
+        return std::string(e.what());
+      }
+      return std::string("no InputError");
+    };
+    const Problem clean = generate(spec);
+    Problem p = clean;
+    set(p.weight, 37 * 13 - 1, INFINITY);  // the last element (a scalar tail)
+    EXPECT_NE(message_of(p).find("non-finite input: weight(36, 12) = inf"), std::string::npos) << message_of(p);
+    set(p.weight, 1000 % (37 * 13), NAN);  // an earlier one, inside a vector: the lowest index is named
+    set(p.weight, 5, -INFINITY);
+    EXPECT_NE(message_of(p).find("non-finite input: weight(0, 5) = -inf"), std::string::npos) << message_of(p);
+    set(p.x, 2 * 4 * 13 - 2, NAN);  // x is scanned before weight
+    EXPECT_NE(message_of(p).find("non-finite input: x(1, 3, 11)"), std::string::npos) << message_of(p);
+    p = clean;
+    set(*p.bias, 20, NAN);
+    EXPECT_NE(message_of(p).find("non-finite input: bias(20)"), std::string::npos) << message_of(p);
+  }
+}
+
 }  // namespace
 }  // namespace simpo::fused
