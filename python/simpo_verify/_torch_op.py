@@ -56,10 +56,12 @@ def _(x, weight, target, bias, ignore_index, beta, alpha, label_smoothing, compu
 @torch.library.custom_op("simpo_verify::scale_gradient", mutates_args=())
 def scale_gradient_op(hi: torch.Tensor, lo: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     """T(grad_output (hi + lo)) with one rounding (simpo_verify._device.scale_gradient); without a residue (cpu
-    backend, f32) T(grad_output hi), the product in double."""
+    backend, f32) T(grad_output hi), the product in double; at grad_output 1, hi."""
     from . import _device
 
     scale = float(grad_output)
+    if scale == 1.0:  # the step's own rounding, as the eager module returns it (T(hi + lo) can differ on a tie)
+        return hi.clone()
     if hi.is_cuda:
         return _device.scale_gradient(hi, lo if lo.numel() else None, scale)
     wide = hi.double() + (lo.double() if lo.numel() else 0)
