@@ -43,38 +43,12 @@ FusedRunner& runner_for(int device) {
 }
 
 // Lowest flat index of a NaN or Inf (exponent all ones: `exponent` is the dtype's exponent mask on its bits U) in
-// p[0, n), by atomicMin into *first. The weight is the bulk of it (V H elements, one read per call), so the body
-// reads 16 bytes per load where p is 16-byte aligned (elements before the first aligned address and after the last
-// whole vector one at a time); a vector with a hit is searched element by element for its lowest index.
+// p[0, n), by atomicMin into *first.
 template <class U>
 __global__ void first_nonfinite(const U* p, std::int64_t n, U exponent, unsigned long long* first) {
-  constexpr int per_vector = 16 / sizeof(U);
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  const std::int64_t tid = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  const auto address = reinterpret_cast<std::uintptr_t>(p);
-  const std::int64_t head = std::min<std::int64_t>(n, static_cast<std::int64_t>((16 - address % 16) % 16 / sizeof(U)));
-  const bool vectors = address % sizeof(U) == 0 && (address + head * sizeof(U)) % 16 == 0;
-  const std::int64_t body = vectors ? (n - head) / per_vector : 0;
-  const std::int64_t scalar_from = vectors ? head + body * per_vector : 0;
-  auto check = [&](std::int64_t i) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
     if ((p[i] & exponent) == exponent) atomicMin(first, static_cast<unsigned long long>(i));
-  };
-  if (vectors)
-    for (std::int64_t i = tid; i < head; i += stride) check(i);
-  const uint4* v = reinterpret_cast<const uint4*>(p + head);
-  for (std::int64_t j = tid; j < body; j += stride) {
-    const uint4 w = v[j];
-    const U* e = reinterpret_cast<const U*>(&w);
-    bool hit = false;
-    for (int k = 0; k < per_vector; ++k) hit |= (e[k] & exponent) == exponent;
-    if (hit)
-      for (int k = 0; k < per_vector; ++k)
-        if ((e[k] & exponent) == exponent) {
-          atomicMin(first, static_cast<unsigned long long>(head + j * per_vector + k));
-          break;
-        }
-  }
-  for (std::int64_t i = scalar_from + tid; i < n; i += stride) check(i);
 }
 
 // Element i of device array p of dtype `dtype`, widened to double (for a message).
