@@ -6,6 +6,7 @@
 // no host transfers are timed. Each B also prints one "JSON {...}" line (bench/speed_table.py collects them);
 // --kernels adds the step kernel by kernel (CUPTI, bench/kernel_trace.h).
 #include "fused/cuda/bench/kernel_trace.h"
+#include "fused/cuda/bench/interleaved_timing.cuh"
 #include "fused/cuda/bench/random_fill.cuh"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
@@ -42,44 +43,6 @@ __global__ void fill_targets(std::int64_t* target, std::int64_t N, std::int64_t 
   }
 }
 
-struct Timing {
-  double median_ms = 0, min_ms = 0;
-};
-
-// Medians of `reps` event-timed calls of each body, the bodies taking turns (a, b, a, b, ...) after `warmup`
-// untimed rounds: the fused step and its floor then see the same clocks and temperature, which drift over a
-// run by more than the differences measured (the same floor read 8.07 and 8.76 ms a minute apart in one call).
-std::vector<Timing> time_interleaved(cudaStream_t stream, int warmup, int reps,
-                                     const std::vector<std::function<void()>>& bodies) {
-  for (int i = 0; i < warmup; ++i)
-    for (const auto& body : bodies) body();
-  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaEvent_t start, stop;
-  SIMPO_CUDA_CHECK(cudaEventCreate(&start));
-  SIMPO_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<std::vector<double>> ms(bodies.size());
-  for (int i = 0; i < reps; ++i) {
-    for (std::size_t b = 0; b < bodies.size(); ++b) {
-      SIMPO_CUDA_CHECK(cudaEventRecord(start, stream));
-      bodies[b]();
-      SIMPO_CUDA_CHECK(cudaEventRecord(stop, stream));
-      SIMPO_CUDA_CHECK(cudaEventSynchronize(stop));
-      float elapsed = 0;
-      SIMPO_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-      ms[b].push_back(elapsed);
-    }
-  }
-  SIMPO_CUDA_CHECK(cudaEventDestroy(start));
-  SIMPO_CUDA_CHECK(cudaEventDestroy(stop));
-  std::vector<Timing> out;
-  for (auto& m : ms) {
-    std::sort(m.begin(), m.end());
-    out.push_back({m[m.size() / 2], m.front()});
-  }
-  return out;
-}
-
-// Median of `reps` event-timed calls of `body` on `stream`, after `warmup` untimed ones.
 Timing time_it(cudaStream_t stream, int warmup, int reps, const std::function<void()>& body) {
   return time_interleaved(stream, warmup, reps, {body})[0];
 }

@@ -19,6 +19,7 @@
 // Output: a table per shape, a "FLOOR shape=..." line per shape, a "JSON {...}" line per candidate, and the
 // device's measured peak (cuBLAS bf16 8192^3) first.
 //   gemm_floor [--M 2048 4096] [--full] [--shapes ...] [--reps 10] [--quick]
+#include "fused/cuda/bench/interleaved_timing.cuh"
 #include "fused/cuda/bench/random_fill.cuh"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_buffer.h"
@@ -120,35 +121,6 @@ void fill_bf16(__nv_bfloat16* p, std::int64_t rows, std::int64_t cols, float sca
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Timing: medians of `reps` event-timed calls of each body, the bodies in turns after `warmup` untimed rounds.
-std::vector<double> time_interleaved(cudaStream_t stream, int warmup, int reps,
-                                     const std::vector<std::function<void()>>& bodies) {
-  for (int i = 0; i < warmup; ++i)
-    for (const auto& body : bodies) body();
-  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaEvent_t start, stop;
-  SIMPO_CUDA_CHECK(cudaEventCreate(&start));
-  SIMPO_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<std::vector<double>> ms(bodies.size());
-  for (int i = 0; i < reps; ++i)
-    for (std::size_t b = 0; b < bodies.size(); ++b) {
-      SIMPO_CUDA_CHECK(cudaEventRecord(start, stream));
-      bodies[b]();
-      SIMPO_CUDA_CHECK(cudaEventRecord(stop, stream));
-      SIMPO_CUDA_CHECK(cudaEventSynchronize(stop));
-      float elapsed = 0;
-      SIMPO_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-      ms[b].push_back(elapsed);
-    }
-  SIMPO_CUDA_CHECK(cudaEventDestroy(start));
-  SIMPO_CUDA_CHECK(cudaEventDestroy(stop));
-  std::vector<double> medians;
-  for (auto& m : ms) {
-    std::sort(m.begin(), m.end());
-    medians.push_back(m[m.size() / 2]);
-  }
-  return medians;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // cuBLAS and cuBLASLt.
@@ -561,7 +533,7 @@ int main(int argc, char** argv) {
       fill_bf16(b.as<__nv_bfloat16>(), n, n, 1.0f, 12, stream);
       Problem sq{Kind::logits_bf16, "peak", "", CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, a.as<__nv_bfloat16>(), n,
                  b.as<__nv_bfloat16>(), n, c.get(), n, CUDA_R_16BF, 0.0f};
-      const double ms = time_interleaved(stream, warmup, reps, {[&] { cublas_default(blas, sq); }})[0];
+      const double ms = time_interleaved(stream, warmup, reps, {[&] { cublas_default(blas, sq); }})[0].median_ms;
       peak_tflops = sq.flops() / ms / 1e9;
       std::printf("peak: cuBLAS bf16 %lld^3 %.3f ms, %.1f TFLOP/s\n", (long long)n, ms, peak_tflops);
       std::printf("JSON {\"bench\": \"gemm_floor\", \"peak\": true, \"n\": %lld, \"ms\": %.4f, \"tflops\": %.1f}\n",
@@ -658,7 +630,8 @@ int main(int argc, char** argv) {
                         p.name.c_str(), (long long)M, c.name.c_str(), diff);
             continue;
           }
-          const auto ms = time_interleaved(stream, warmup, reps, {c.run, [&] { cublas_default(blas, p); }});
+          const auto t = time_interleaved(stream, warmup, reps, {c.run, [&] { cublas_default(blas, p); }});
+          const double ms[2] = {t[0].median_ms, t[1].median_ms};
           const double tflops = p.flops() / ms[0] / 1e9, ratio = ms[0] / ms[1];
           std::printf("  %-70s %9.3f %8.1f %8.3f %9.2e\n", c.name.c_str(), ms[0], tflops, ratio, diff);
           std::printf("JSON {\"bench\": \"gemm_floor\", \"shape\": \"%s\", \"M\": %lld, \"m\": %lld, \"n\": %lld, "
