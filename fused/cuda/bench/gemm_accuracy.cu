@@ -14,6 +14,7 @@
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/promoted_gemm.h"
 
+#include <CLI/CLI.hpp>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -131,7 +132,10 @@ double median_ms(int warmup, int reps, const std::function<void()>& body) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false;
+  CLI::App app{"The logits GEMM's error against fp64 and its speed beside cuBLAS's"};
+  app.add_flag("--quick", quick, "accuracy and odd shapes only (no timing)");
+  CLI11_PARSE(app, argc, argv);
   try {
     cublasHandle_t h;
     SIMPO_CUBLAS_CHECK(cublasCreate(&h));

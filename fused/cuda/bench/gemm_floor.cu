@@ -99,11 +99,7 @@ __global__ void fill_uniform_f32(float* out, std::int64_t count, float scale, st
 // spread over the whole matrix; the same for every candidate of a shape.
 __host__ __device__ inline std::int64_t sample_index(int s, int tail, std::int64_t total) {
   if (s < tail) return total - 1 - s;
-  std::uint64_t z = 0x5eedull + (static_cast<std::uint64_t>(s) + 1) * 0x9e3779b97f4a7c15ull;  // splitmix64
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<std::int64_t>(z % static_cast<std::uint64_t>(total));
+  return static_cast<std::int64_t>(splitmix64(0x5eedull, static_cast<std::uint64_t>(s)) % static_cast<std::uint64_t>(total));
 }
 
 // Copies the sampled elements of a dense bf16 or fp32 matrix out as floats (one thread per sample).

@@ -10,13 +10,17 @@
 
 namespace simpo::fused::cuda::bench {
 
-// Uniform in [-1, 1), 24 bits.
-__host__ __device__ inline float uniform_pm1(std::uint64_t seed, std::uint64_t i) {
+// The (i + 1)-th draw of splitmix64 seeded with `seed`.
+__host__ __device__ inline std::uint64_t splitmix64(std::uint64_t seed, std::uint64_t i) {
   std::uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [-1, 1), 24 bits.
+__host__ __device__ inline float uniform_pm1(std::uint64_t seed, std::uint64_t i) {
+  return static_cast<float>(splitmix64(seed, i) >> 40) * (2.0f / 16777216.0f) - 1.0f;
 }
 
 // A [rows, ld] bf16 matrix, columns < cols uniform in [-scale, scale), the padding columns zero (ld = cols: dense).

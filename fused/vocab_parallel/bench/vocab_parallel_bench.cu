@@ -12,6 +12,8 @@
 #include "fused/cuda/gemm.h"
 #include "fused/vocab_parallel/cuda_ranks.h"
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -118,28 +120,17 @@ int main(int argc, char** argv) {
   std::int64_t T = 1024, H = 4096, V = 256000;
   int reps = 5;
   bool nccl = false;
-  std::vector<int> shards;
-  std::vector<std::int64_t> batches;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::atoll(argv[++i]) : 0; };
-    auto list = [&](auto& out) {
-      while (i + 1 < argc && argv[i + 1][0] != '-') out.push_back(std::atoi(argv[++i]));
-    };
-    if (a == "--B") list(batches);
-    else if (a == "--T") T = next();
-    else if (a == "--H") H = next();
-    else if (a == "--V") V = next();
-    else if (a == "--reps") reps = static_cast<int>(next());
-    else if (a == "--nccl") nccl = true;
-    else if (a == "--shards") list(shards);
-    else {
-      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
-      return 2;
-    }
-  }
-  if (shards.empty()) shards = {2};
-  if (batches.empty()) batches = {2};
+  std::vector<int> shards = {2};
+  std::vector<std::int64_t> batches = {2};
+  CLI::App app{"The vocab-parallel step's time against the one-GPU fused step and the GEMM floor"};
+  app.add_option("--B", batches, "sequences per step (one row of the table each)")->check(CLI::PositiveNumber);
+  app.add_option("--T", T, "tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--H", H, "hidden size")->check(CLI::PositiveNumber);
+  app.add_option("--V", V, "vocabulary size")->check(CLI::PositiveNumber);
+  app.add_option("--shards", shards, "vocabulary shards G (one column set each)")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
+  app.add_flag("--nccl", nccl, "one rank per GPU through NCCL (needs G GPUs)");
+  CLI11_PARSE(app, argc, argv);
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
