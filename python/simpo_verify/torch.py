@@ -18,7 +18,9 @@ one rounding as if the step had run at that scale, with no second kernel run (CP
 Dtype policy: x, weight and bias share one dtype, torch.bfloat16, torch.float16 or torch.float32 (SPEC's input
 dtypes), computed in that dtype, never converted: bf16 on the sm_90a kernels, f16 on the tensor cores through
 cuBLAS, f32 with fp32 GEMMs (no TF32), each held to its own dtype's strict bound. Mixed dtypes are a TypeError.
-target may be any integer dtype (widened to int64, exact). Gradients are in the inputs' dtype (SPEC's fused
+target may be any integer dtype (widened to int64, exact). Non-contiguous inputs (hidden[:, :-1], a
+transposed weight) are copied to contiguous memory first (an extra read and write of that input), with the same
+results as the contiguous call. Gradients are in the inputs' dtype (SPEC's fused
 outputs); the loss and auxiliary outputs are float32 tensors on the inputs' device. Invalid inputs (SPEC's edge-case table: an empty sequence, a target out of range, NaN inputs, ...)
 raise simpo_verify.InputError (a ValueError) with SPEC's message, where Liger returns NaN.
 

@@ -95,6 +95,25 @@ def test_spec_errors_not_nan(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_inputs_give_the_contiguous_results(device):
+    """Hidden states sliced as a model hands them over (hidden[:, :-1], Liger's usage) and a transposed-then-back
+    weight: copied to contiguous memory, the same bits as the contiguous call, grad_x shaped like the slice."""
+    x, w, t, b = make(device, T=9)
+    xs, ts = x[:, :-1], t[:, 1:]
+    wt = w.t().contiguous().t()  # same values, column-major strides
+    assert not xs.is_contiguous() and not wt.is_contiguous()
+    results = []
+    for xi, wi in ((xs, wt), (xs.contiguous(), wt.contiguous())):
+        xg, wg = xi.detach().requires_grad_(True), wi.detach().requires_grad_(True)
+        loss, _ = FusedLinearSimPOLoss()(wg, xg, ts, b)
+        loss.backward()
+        results.append((loss.detach(), xg.grad, wg.grad))
+    assert results[0][1].shape == xs.shape
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_validate_false_skips_only_the_value_scan(device):
     x, w, t, _ = make(device, bias=False)
     w[3, 2] = float("nan")  # in every row's logits, so in the loss
