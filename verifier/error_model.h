@@ -107,7 +107,7 @@ struct ProblemScales {
   double operand_rounding() const;
 
   // The bf16_logits profile's extra budget: what rounding each logit to bf16 (relative error <= u = 2^-8, rms
-  // <= u / sqrt(3)) before the softmax adds, derived from the problem's fp32 logits (README "The bf16_logits
+  // <= u / sqrt(3)) before the softmax adds, derived from the problem's logits (float64; README "The bf16_logits
   // profile"). Scalars: absolute error bounds; gradients: Frobenius (rms) sizes that join the operand rounding in
   // quadrature, plus the error of k through the perturbed log-probs. Set by add_logit_rounding (O(N H V)).
   struct LogitRounding {
