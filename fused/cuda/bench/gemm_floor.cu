@@ -1,7 +1,7 @@
-// The real GEMM floor of the fused step (issue 30, METHOD.md's "two numbers"): for each of the step's GEMM shapes
+// The real GEMM floor of the fused step (METHOD.md's "two numbers"): for each of the step's GEMM shapes
 // on a chunk of M rows of the published workload (T=1024, H=4096, V=128256; bf16 operands, fp32 accumulation),
 // the fastest GEMM this card runs, out of
-//   cublas    cublasGemmEx with CUBLAS_GEMM_DEFAULT, what torch runs (cuda_bench's floor until now);
+//   cublas    cublasGemmEx with CUBLAS_GEMM_DEFAULT, what torch runs (cuda_bench's floor);
 //   lt#i      every algorithm cublasLtMatmulAlgoGetHeuristic returns (up to --lt-algos, 64 MiB workspace);
 //   cutlass   CUTLASS 3.x sm_90a warp-specialized kernels from the collective builder (cooperative and ping-pong,
 //             a few tiles and clusters, persistent scheduler), each at several rasterizations and swizzles (run
