@@ -563,6 +563,7 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
     // |terms|; different targets (other rows of the output) and sequences in quadrature; each grad_x row has its own.
     const double op = operand_rounding();
     double tx_sq = 0, tw_sq = 0, tb_sq = 0;
+    std::map<std::int64_t, double> target_norm;  // ||w_t|| of the targets seen
     lr.row_target.assign(static_cast<std::size_t>(sh.N()), 0.0);
     double gx_sq = 0, gw_sq = 0, gb_sq = 0, dk_sq = 0, dk_x_sq = 0, dk_b_sq = 0;
     for (std::int64_t b = 0; b < sh.B; ++b) {
@@ -586,7 +587,9 @@ void ProblemScales::add_logit_rounding(const Problem& p, const TensorMap& exact)
         }
         const std::int64_t target = p.target[r];
         const double kt = op * row_k[r] * rows[r].target_gap;
-        lr.row_target[r] = kt * weight_row_norm(p, target);
+        auto norm = target_norm.find(target);  // O(H) per distinct target, not per row
+        if (norm == target_norm.end()) norm = target_norm.emplace(target, weight_row_norm(p, target)).first;
+        lr.row_target[r] = kt * norm->second;
         tx_sq += lr.row_target[r] * lr.row_target[r];
         auto& [tw, tb] = by_target[target];
         tw += kt * std::sqrt(xn_sq);

@@ -116,9 +116,12 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
 
 
 def scale_gradient(hi, lo, scale):
-    """A new tensor T(scale (hi + lo)) on hi's device and current stream: one rounding (lo None: T(scale hi))."""
+    """A new tensor T(scale (hi + lo)) on hi's device and current stream: one rounding (lo None: T(scale hi)). At
+    scale 1, hi's values: the step's own rounding, which T(hi + lo) can differ from on a tie."""
     import torch
 
+    if scale == 1.0:
+        return hi.clone()
     out = torch.empty_like(hi)
     dev = hi.device
     with torch.cuda.device(dev):

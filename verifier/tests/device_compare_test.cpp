@@ -2,7 +2,8 @@
 // exact outputs (reference::compute_on_device, its gradients downloaded for the host), the same candidates (our cpu
 // backend, correct, and planted-wrong ones; on the host and on the device), the same TensorReport. Integers,
 // strings, maxima and the elements read back must be equal; only the float64 sums may differ, by their reduction
-// order (derivation at sums_tolerance). Where no CUDA device is present no test runs and the binary says why.
+// order (derivation at sums_tolerance). Where no CUDA device is present no test runs and the binary says why
+// (reference/cuda/tests/gpu_main.cpp, the main it shares with reference_cuda_tests).
 #include "fused/fused.h"
 #include "problem/generate.h"
 #include "reference/reference.h"
@@ -283,12 +284,3 @@ TEST(DeviceCompare, ACandidateOnAnotherDeviceIsAnInputError) {
 
 }  // namespace
 }  // namespace simpo::verifier
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  if (!GTEST_FLAG_GET(list_tests) && !simpo::reference::cuda_available()) {
-    std::printf("[  SKIPPED ] the device comparison cannot run here: %s\n", simpo::reference::cuda_unavailable_reason().c_str());
-    return 0;
-  }
-  return RUN_ALL_TESTS();
-}

@@ -1,4 +1,4 @@
-// main() of reference_cuda_tests: where reference-cuda cannot run (a machine without a CUDA device, as CI is), no
+// main() of reference_cuda_tests and verifier_device_tests (both need reference-cuda): where it cannot run (a machine without a CUDA device, as CI is), no
 // test runs and the binary says why in the line ctest reads as "skipped" (gtest_discover_tests' skip pattern), so
 // the binary builds and lists its tests everywhere and never reports a pass it did not earn.
 #include "reference/reference.h"
