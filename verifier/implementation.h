@@ -32,8 +32,8 @@ struct RunOptions {
 // Python package).
 fused::Options fused_options(fused::Backend, const RunOptions&);
 
-// The one validation of run options, whatever the implementation (issue 7: the reference used to accept a
-// negative max_chunk_rows that the fused backends refused). InputError naming the option. Every Implementation
+// The one validation of run options, whatever the implementation (so no implementation accepts a negative
+// max_chunk_rows that another refuses). InputError naming the option. Every Implementation
 // made by the functions below calls it before computing; the CLI calls it before reading any file.
 void validate(const RunOptions&);
 

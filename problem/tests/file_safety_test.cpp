@@ -1,4 +1,4 @@
-// Issue 7's guarantees of the problem layer: writing never destroys a file (an input, a device, a link, a
+// The problem layer's guarantees: writing never destroys a file (an input, a device, a link, a
 // stranger's temporary), shapes never overflow, runs too large for the machine are refused with their bytes,
 // and bad files get a message a person can act on. Each test failed before the change that made it pass.
 #include "problem/generate.h"

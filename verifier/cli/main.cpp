@@ -172,7 +172,7 @@ struct ProfileArgs {
   std::string profile = "strict";
   double rtol = 0, atol = 0;
   CLI::Option *rtol_option = nullptr, *atol_option = nullptr;
-  // One resolution for every command (issue 7: --rtol -1 used to fall back to strict silently).
+  // One resolution for every command (so --rtol -1 cannot fall back to strict silently).
   sv::Profile resolve() const {
     return sv::profile_from_flags(profile, rtol_option && rtol_option->count() ? &rtol : nullptr,
                                   atol_option && atol_option->count() ? &atol : nullptr);

@@ -58,7 +58,7 @@ Tensor perturbed(const Tensor& t, double relative) {
 }
 
 // Returns a copy: a reference into a temporary Report (find(compare(...), ...)) dangled once the statement ended
-// (ASan, issue 7: heap-use-after-free in two tests below).
+// (ASan: heap-use-after-free in two tests below).
 TensorReport find(const Report& r, const std::string& name) {
   for (const auto& t : r.tensors)
     if (t.name == name) return t;

@@ -1,4 +1,4 @@
-// Options are validated in one place for every implementation (issue 7), and a case's fields are one list:
+// Options are validated in one place for every implementation, and a case's fields are one list:
 // its description, its replay command and the CLI's flags agree.
 #include "verifier/properties.h"
 
