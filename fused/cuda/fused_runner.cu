@@ -298,38 +298,55 @@ class ChunkedStep {
       }
       return;
     }
-    if constexpr (kBf16) logits_from_epilogue(c, with_stats, store && distances);
+    if constexpr (kBf16) logits_from_epilogue(c, with_stats, store && distances, x_chunk);
   }
 
-  // The promoted GEMM with the statistics (and, with `distances`, the stored distances) in its epilogue.
-  void logits_from_epilogue(const Chunk& c, bool with_stats, bool distances) {
+  // The promoted GEMM with the statistics (and, with `distances`, the stored distances) in its epilogue: one GEMM
+  // over the chunk's rows where they are contiguous or gathered (x_chunk; LogitTileStats::split maps its second
+  // part's rows), else one per part. Then each part's tile partials are merged into its rows' statistics.
+  void logits_from_epilogue(const Chunk& c, bool with_stats, bool distances, const T* x_chunk) {
     const std::int64_t V = p_.shape.V, ld_h = p_.ld_h;
-    std::int64_t offset = 0;
-    for (int i = 0; i < c.part_count; ++i) {
-      const RowRange& part = c.parts[i];
-      const __nv_bfloat16* x_part = p_.x + part.begin * ld_h;
+    auto gemm = [&](const __nv_bfloat16* x, std::int64_t rows, std::int64_t offset, std::int64_t begin,
+                    std::int64_t split, std::int64_t second) {
       LogitTileStats out;
       out.bias = p_.bias;
-      out.target = p_.target + part.begin;
+      out.target = p_.target + begin;
       out.ignore_index = p_.hp.ignore_index;
       out.ld = l_.tile_ld;
       out.tile_max = tile_max_ + offset;
       out.tile_sum_exp = tile_sum_exp_ + offset;
       out.tile_sum = tile_sum_ + offset;
-      out.z_target = rows_.z_target_raw + part.begin;
+      out.z_target = rows_.z_target_raw + begin;
+      out.split = split;
+      out.second = second;
       if (distances)
-        promoted_logits_distances(part.rows(), V, ld_h, x_part, p_.weight, distances_ + offset * ld_v_, ld_v_,
+        promoted_logits_distances(rows, V, ld_h, x, p_.weight, distances_ + offset * ld_v_, ld_v_,
                                   plan_.logits.promotion_k, out, stream_, gemm_scratch_,
                                   static_cast<std::size_t>(l_.gemm_bytes));
       else
-        promoted_logits_stats(part.rows(), V, ld_h, x_part, p_.weight, nullptr, ld_v_, plan_.logits.promotion_k, out,
-                              stream_, gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
-      if (with_stats) {
-        const TileStatsRows tiles{tile_max_ + offset, tile_sum_exp_ + offset, tile_sum_ + offset, l_.tile_ld,
-                                  statistics_tiles(V), part.rows(), part.begin, rows_.z_target_raw, p_.target,
-                                  p_.hp.ignore_index};
-        launch_merge_tile_stats(tiles, rows_.row_max, rows_.lse, rows_.z_target, rows_.rowsum, stream_);
+        promoted_logits_stats(rows, V, ld_h, x, p_.weight, nullptr, ld_v_, plan_.logits.promotion_k, out, stream_,
+                              gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
+    };
+    const RowRange& first = c.parts[0];
+    if (c.part_count == 1) {
+      gemm(p_.x + first.begin * ld_h, first.rows(), 0, first.begin, INT64_MAX, 0);
+    } else if (x_chunk != nullptr) {
+      gemm(x_chunk, c.rows(), 0, first.begin, first.rows(), c.parts[1].begin - first.begin - first.rows());
+    } else {
+      std::int64_t offset = 0;
+      for (int i = 0; i < c.part_count; ++i) {
+        gemm(p_.x + c.parts[i].begin * ld_h, c.parts[i].rows(), offset, c.parts[i].begin, INT64_MAX, 0);
+        offset += c.parts[i].rows();
       }
+    }
+    if (!with_stats) return;
+    std::int64_t offset = 0;
+    for (int i = 0; i < c.part_count; ++i) {
+      const RowRange& part = c.parts[i];
+      const TileStatsRows tiles{tile_max_ + offset, tile_sum_exp_ + offset, tile_sum_ + offset, l_.tile_ld,
+                                statistics_tiles(V), part.rows(), part.begin, rows_.z_target_raw, p_.target,
+                                p_.hp.ignore_index};
+      launch_merge_tile_stats(tiles, rows_.row_max, rows_.lse, rows_.z_target, rows_.rowsum, stream_);
       offset += part.rows();
     }
   }
