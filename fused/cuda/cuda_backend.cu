@@ -12,6 +12,7 @@
 #include <climits>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <memory>
 #include <sstream>
 
@@ -62,47 +63,88 @@ double device_value(std::uintptr_t p, DType dtype, std::int64_t i) {
   return static_cast<double>(static_cast<float>(*reinterpret_cast<const bf16*>(bytes)));
 }
 
-// SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message.
-void scan_values(const DeviceCall& c, cudaStream_t stream) {
-  const Shape& s = c.shape;
+// A stream of the calling thread's own beside each runner's, for the NaN/Inf scan.
+cudaStream_t side_stream_for(int device) {
+  struct Side {
+    cudaStream_t s = nullptr;
+    Side() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+    ~Side() { cudaStreamDestroy(s); }
+  };
+  thread_local std::map<int, std::unique_ptr<Side>> sides;
+  auto& side = sides[device];
+  if (!side) side = std::make_unique<Side>();
+  return side->s;
+}
+
+// SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message. The scan runs on
+// a side stream beside the step (it reads memory while the logits GEMM computes), and its result is read at the
+// call's final synchronization: no synchronization of its own. Launched once the inputs are ready (`ready`);
+// join() makes `main` wait for it; check(), after `main` is synchronized, throws for a non-finite input, whose
+// outputs are then discarded (the kernels do not index by value: NaN flows through them).
+class ValueScan {
+ public:
+  ValueScan(const DeviceCall& c, cudaEvent_t ready) : c_(c), side_(side_stream_for(c.device)) {
+    const Shape& s = c.shape;
+    scans_ = {{"x", c.x, {s.B, s.T, s.H}}, {"weight", c.weight, {s.V, s.H}}};
+    if (c.bias) scans_.push_back({"bias", c.bias, {s.V}});
+    int sms = 0;
+    SIMPO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.device));
+    SIMPO_CUDA_CHECK(cudaStreamWaitEvent(side_, ready, 0));
+    first_ = DeviceBuffer(scans_.size() * sizeof(unsigned long long), "the NaN/Inf scan's result", side_);
+    SIMPO_CUDA_CHECK(cudaMemsetAsync(first_.get(), 0xff, first_.bytes(), side_));
+    for (std::size_t i = 0; i < scans_.size(); ++i) {
+      std::int64_t n = 1;
+      for (auto d : scans_[i].shape) n *= d;
+      const int blocks = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms} * 16));
+      unsigned long long* result = first_.as<unsigned long long>() + i;
+      if (c.input_dtype == DType::F32)
+        first_nonfinite<<<blocks, 256, 0, side_>>>(reinterpret_cast<const std::uint32_t*>(scans_[i].p), n,
+                                                   std::uint32_t{0x7f800000u}, result);
+      else
+        first_nonfinite<<<blocks, 256, 0, side_>>>(reinterpret_cast<const std::uint16_t*>(scans_[i].p), n,
+                                                   static_cast<std::uint16_t>(c.input_dtype == DType::F16 ? 0x7c00u : 0x7f80u),
+                                                   result);
+      SIMPO_CUDA_CHECK_LAUNCH();
+    }
+    SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    SIMPO_CUDA_CHECK(cudaEventRecord(done_, side_));
+  }
+  // Waits for the scan before the call returns, however it returns: the caller may free the inputs right after.
+  ~ValueScan() {
+    cudaEventSynchronize(done_);
+    cudaEventDestroy(done_);
+  }
+  ValueScan(const ValueScan&) = delete;
+  ValueScan& operator=(const ValueScan&) = delete;
+
+  void join(cudaStream_t main) const { SIMPO_CUDA_CHECK(cudaStreamWaitEvent(main, done_, 0)); }
+
+  void check() const {
+    std::vector<unsigned long long> host(scans_.size());
+    SIMPO_CUDA_CHECK(cudaEventSynchronize(done_));
+    SIMPO_CUDA_CHECK(cudaMemcpy(host.data(), first_.get(), first_.bytes(), cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < scans_.size(); ++i) {
+      if (host[i] == ULLONG_MAX) continue;
+      const double value = device_value(scans_[i].p, c_.input_dtype, static_cast<std::int64_t>(host[i]));
+      std::ostringstream os;
+      os << "non-finite input: " << scans_[i].name << index_string(static_cast<std::int64_t>(host[i]), scans_[i].shape)
+         << " = " << static_cast<float>(value);
+      throw InputError(os.str());
+    }
+  }
+
+ private:
   struct Scan {
     const char* name;
     std::uintptr_t p;
     std::vector<std::int64_t> shape;
   };
-  std::vector<Scan> scans = {{"x", c.x, {s.B, s.T, s.H}}, {"weight", c.weight, {s.V, s.H}}};
-  if (c.bias) scans.push_back({"bias", c.bias, {s.V}});
-  int device = 0, sms = 0;
-  SIMPO_CUDA_CHECK(cudaGetDevice(&device));
-  SIMPO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  DeviceBuffer first(scans.size() * sizeof(unsigned long long), "the NaN/Inf scan's result", stream);
-  SIMPO_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xff, first.bytes(), stream));
-  for (std::size_t i = 0; i < scans.size(); ++i) {
-    std::int64_t n = 1;
-    for (auto d : scans[i].shape) n *= d;
-    const int blocks = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms} * 16));
-    unsigned long long* result = first.as<unsigned long long>() + i;
-    if (c.input_dtype == DType::F32)
-      first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint32_t*>(scans[i].p), n,
-                                                  std::uint32_t{0x7f800000u}, result);
-    else
-      first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(scans[i].p), n,
-                                                  static_cast<std::uint16_t>(c.input_dtype == DType::F16 ? 0x7c00u : 0x7f80u),
-                                                  result);
-    SIMPO_CUDA_CHECK_LAUNCH();
-  }
-  std::vector<unsigned long long> host(scans.size());
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(host.data(), first.get(), first.bytes(), cudaMemcpyDeviceToHost, stream));
-  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-  for (std::size_t i = 0; i < scans.size(); ++i) {
-    if (host[i] == ULLONG_MAX) continue;
-    const double value = device_value(scans[i].p, c.input_dtype, static_cast<std::int64_t>(host[i]));
-    std::ostringstream os;
-    os << "non-finite input: " << scans[i].name << index_string(static_cast<std::int64_t>(host[i]), scans[i].shape)
-       << " = " << static_cast<float>(value);
-    throw InputError(os.str());
-  }
-}
+  const DeviceCall& c_;
+  cudaStream_t side_;
+  std::vector<Scan> scans_;
+  DeviceBuffer first_;
+  cudaEvent_t done_ = nullptr;
+};
 
 // SPEC's rules but the values, on a problem with the call's shape, hyperparameters and targets (copied to the host)
 // and zero x and weight of one hidden unit: what the forward outputs' host math reads of a problem.
@@ -207,8 +249,9 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   const StreamOrder order;
   SIMPO_CUDA_CHECK(cudaEventRecord(order.ready, caller));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream, order.ready, 0));
+  std::optional<ValueScan> scan;
+  if (options.validate) scan.emplace(c, order.ready);
   const Problem targets = targets_problem(c, stream);
-  if (options.validate) scan_values(c, stream);
 
   DeviceResult result;
   DeviceBuffer x_copy, weight_copy, weight_acc, bias_acc;
@@ -262,11 +305,13 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   result.extra_device_bytes += runner.last_report().accumulator_bytes;
   result.plan = runner.last_report().to_string();
 
-  // The caller's later work waits for the outputs; the temporaries are freed only after the runner's stream is
-  // done with them.
+  // The caller's later work waits for the outputs (and the scan); the temporaries are freed only after the runner's
+  // stream is done with them.
+  if (scan) scan->join(stream);
   SIMPO_CUDA_CHECK(cudaEventRecord(order.done, stream));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (scan) scan->check();
   return result;
 }
 
