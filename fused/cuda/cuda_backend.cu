@@ -204,6 +204,16 @@ struct StreamOrder {
   }
 };
 
+// The gradient outputs compute_on_device gives the runner for a call (the DeviceGradients it builds), for its plan.
+GradientOutputs gradient_outputs(const DeviceCall& c) {
+  const Options& o = c.options;
+  const bool f32 = o.grad_weight_f32 || c.input_dtype == DType::F32, want_weight = o.gradients && o.grad_weight;
+  return GradientOutputs{.grad_x = o.gradients && o.grad_x,
+                         .grad_weight_f32 = want_weight && f32,
+                         .grad_weight_16bit = want_weight && !f32,
+                         .grad_weight_lo = want_weight && c.grad_weight_lo != 0};
+}
+
 }  // namespace
 
 DeviceResult compute_on_device(const DeviceCall& c) { return compute_on_device(c, Tuning{}); }
@@ -230,6 +240,12 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   if ((c.grad_x_lo && c.input_dtype == DType::F32) || ((c.grad_weight_lo || c.grad_bias_lo) && f32))
     throw InputError("compute_on_device: rounding residues (grad_*_lo) are for bf16 and f16 outputs; an f32 output "
                      "has none to keep");
+  if (c.workspace_size < 0 || (c.workspace && c.workspace % 256 != 0) || (c.workspace_size > 0 && !c.workspace))
+    throw InputError("compute_on_device: the caller's workspace must be a 256-byte aligned device pointer with "
+                     "workspace_size >= 0 bytes (device_workspace says how many)");
+  if (c.defer_weight_finish && !c.workspace)
+    throw InputError("compute_on_device: defer_weight_finish needs DeviceCall::workspace: the deferred GEMM's operands "
+                     "stay there until finish_weight_gradient_on_device (device_workspace says how many bytes)");
 
   SIMPO_CUDA_CHECK(cudaSetDevice(c.device));
   FusedRunner& runner = runner_for(c.device);
@@ -255,6 +271,8 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
 
   DeviceResult result;
   DeviceBuffer x_copy, weight_copy, weight_acc, bias_acc;
+  const CallerMemory memory{reinterpret_cast<char*>(c.workspace), c.workspace_size};
+  HiLoChunk deferred;
   with_element_type(c.input_dtype, [&]<class T>(T) {
     DeviceProblemOf<T> dp;
     dp.shape = s;
@@ -295,15 +313,21 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
         g.grad_bias_16bit = reinterpret_cast<T*>(c.grad_bias);
       }
     }
-    const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning);
+    const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning, c.workspace ? &memory : nullptr,
+                                      c.defer_weight_finish ? &deferred : nullptr);
     if (want_weight && f32 && ld_h != H)
       SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4,
                                          H * 4, V, cudaMemcpyDeviceToDevice, stream));
     result.forward = forward_outputs(targets, dp.targets, stats);
   });
-  result.workspace_bytes = runner.last_report().workspace_bytes;
-  result.extra_device_bytes += runner.last_report().accumulator_bytes;
+  // What the backend held beside the caller's buffers: nothing of the plan's when the call ran in its workspace.
+  if (!c.workspace) {
+    result.workspace_bytes = runner.last_report().workspace_bytes;
+    result.extra_device_bytes += runner.last_report().accumulator_bytes;
+  }
   result.plan = runner.last_report().to_string();
+  const bool deferred_weight = runner.last_report().deferred_weight;
+  if (deferred_weight) result.plan += ", the last weight GEMM deferred";
 
   // The caller's later work waits for the outputs (and the scan); the temporaries are freed only after the runner's
   // stream is done with them.
@@ -312,7 +336,45 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (scan) scan->check();
+  if (deferred_weight)
+    result.pending.state = std::make_shared<PendingWeightGradient::State>(
+        PendingWeightGradient::State{.device = c.device, .chunk = deferred});
   return result;
+}
+
+DeviceWorkspace device_workspace(const DeviceCall& c) { return device_workspace(c, Tuning{}); }
+
+DeviceWorkspace device_workspace(const DeviceCall& c, const Tuning& tuning) {
+  if (!is_input_dtype(c.input_dtype) || !device_present()) return {};
+  const GradientOutputs outputs = gradient_outputs(c);
+  try {
+    validate_shape(c.shape);
+    SIMPO_CUDA_CHECK(cudaSetDevice(c.device));
+    const StepPlan plan = plan_step(c.shape, c.input_dtype, c.options, device_features(),
+                                    c.options.gradients ? &outputs : nullptr, tuning);
+    return {plan.caller_workspace_bytes(), plan.defers_weight_finish()};
+  } catch (const InputError&) {
+    return {};  // compute_on_device refuses the call, with the message
+  }
+}
+
+bool waiting(const PendingWeightGradient& pending) { return pending.state && !pending.state->finished; }
+
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
+  if (!pending.state)
+    throw InputError("finish_weight_gradient_on_device: nothing was deferred (the call ran its whole step: it did not "
+                     "ask for defer_weight_finish, or its plan keeps no bf16 hi/lo pair)");
+  PendingWeightGradient::State& state = *pending.state;
+  if (state.finished)
+    throw InputError("finish_weight_gradient_on_device: this grad_weight was finished already (a deferred GEMM takes "
+                     "its scale once; its operands are spent)");
+  const float s = static_cast<float>(scale);
+  if (!std::isfinite(scale) || !std::isfinite(s))
+    throw InputError("finish_weight_gradient_on_device: the scale must be finite in fp32, got " +
+                     std::to_string(scale));
+  SIMPO_CUDA_CHECK(cudaSetDevice(state.device));
+  state.finished = true;  // a failed launch leaves the pair half written: never run twice
+  accumulate_hilo_chunk(state.chunk, s, reinterpret_cast<cudaStream_t>(stream));
 }
 
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,

@@ -25,6 +25,11 @@ bool device_present();
 // CudaError for any other CUDA, cuBLAS or cuBLASLt failure, with the library's message.
 DeviceResult compute_on_device(const DeviceCall&);
 DeviceResult compute_on_device(const DeviceCall&, const Tuning&);
+// fused.h's device_workspace, PendingWeightGradient::waiting and finish_weight_gradient_on_device.
+DeviceWorkspace device_workspace(const DeviceCall&);
+DeviceWorkspace device_workspace(const DeviceCall&, const Tuning&);
+bool waiting(const PendingWeightGradient&);
+void finish_weight_gradient_on_device(const PendingWeightGradient&, double scale, std::uintptr_t stream);
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
                               std::uintptr_t out, int device, std::uintptr_t stream);
 
