@@ -623,9 +623,10 @@ TEST(CudaBackendDeferredWeight, FinishAtOneIsTheWholeStepBitForBit) {
 }
 
 // Deferred, then finished at grad_output s, grad_x and grad_bias scaled from their residues: every output passes the
-// verifier's strict profile against the reference at grad_scale s, and agrees with the whole step run at grad_scale
-// s to fp32 noise. For s = 0.25 (a power of two) the step at s scales every dz, sum and target term exactly, so its
-// grad_weight is the finish's bit for bit.
+// verifier's strict profile against the reference at grad_scale s. For s = 0.25 (a power of two) the whole step run
+// at grad_scale s scales every dz, sum and target term exactly, so its grad_weight is the finish's bit for bit (and
+// grad_x, grad_bias agree to fp32 noise: hi + lo carries 16 bits of their fp32 sums); for other s the step's dz is
+// rounded at another scale, a difference of dz's rounding noise (ResiduesScaleGradientsWithOneRounding).
 TEST(CudaBackendDeferredWeight, FinishAtAScaleMeetsStrictAtThatGradScale) {
   SKIP_WITHOUT_HILO();
   for (const Shape& shape : deferred_shapes)
@@ -649,12 +650,12 @@ TEST(CudaBackendDeferredWeight, FinishAtAScaleMeetsStrictAtThatGradScale) {
         for (const auto& [name, t] : got) candidate[name] = t;
         const verifier::Report report = verifier::compare(at_scale, exact, candidate, verifier::strict_profile());
         EXPECT_TRUE(report.passed()) << verifier::format_table(report);
-        DeviceStep direct(at_scale, options);
-        direct.run(false);
-        const TensorMap step_at_scale = direct.gradients(1.0);
-        expect_same_to_fp32_noise(got, step_at_scale, &exact);
         if (scale == 0.25) {
+          DeviceStep direct(at_scale, options);
+          direct.run(false);
+          const TensorMap step_at_scale = direct.gradients(1.0);
           EXPECT_EQ(got.at(output_name::grad_weight).bytes, step_at_scale.at(output_name::grad_weight).bytes);
+          expect_same_to_fp32_noise(got, step_at_scale, &exact);
         }
       }
     }
