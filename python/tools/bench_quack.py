@@ -274,10 +274,10 @@ def write_plot(result, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     Bs = sorted({row["B"] for row in result["rows"]})
     for ax, kind, title in zip(axes, ("fwd", "full"), ("forward (no_grad)", "full step (forward + backward)")):
-        for n in result["impls"]:
+        for i, n in enumerate(result["impls"]):  # one colour per impl in both panels
             if (kind, n) in series:
                 xs, ys = zip(*series[(kind, n)])
-                ax.plot(xs, ys, marker="o", label=label(n))
+                ax.plot(xs, ys, marker="o", color=f"C{i % 10}", label=label(n))
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xticks(Bs)
