@@ -19,7 +19,11 @@ default 4096):
                     chunk in bf16, QuACK's CE row kernel, two GEMMs; mean cross-entropy
   quack_scaled_exp  the same call with use_scaled_exp=True: the pipeline QuACK picks by itself on sm_90 with bf16 and
                     V % 128 == 0 (this workload); mean cross-entropy. Under no_grad both pipelines take their
-                    loss-only paths (the chunk size matters only to the full step there)
+                    loss-only paths (the chunk size matters only to the full step there). In 0.6.5's source the
+                    full step raises ValueError ("m == n makes row/col inference ambiguous") when a chunk's rows
+                    (the last one padded to 128) equal H: the dx GEMM's epilogue tells its per-row vector from a
+                    per-column one by its length. Here H = 4096, so chunk 4096 fails from B = 4 on and chunk 8192
+                    at B = 4; quack_scaled_exp@2048 avoids it at every B
   torch_eager_ce    F.cross_entropy of the logits cast to fp32, mean: what the fused losses replace
 The losses differ: QuACK and torch eager compute a mean cross-entropy, ours SimPO, so QuACK is a speed anchor, not
 a SimPO peer (it returns no per-token log-probabilities for SimPO's per-sequence averages).
@@ -33,7 +37,7 @@ QuACK 0.6.5 cannot import quack.linear_cross_entropy from a `pip install --targe
 patch_quack_extern_roots() (its docstring says why); the patch is applied before that import and recorded in the
 JSON.
 
-OUT.json (rewritten after each B):
+OUT.json (rewritten after each cell, so a run cut short keeps what it timed):
 {"schema": "simpo-verify quack benchmark v1 (python/tools/bench_quack.py)",
  "workload": {"T", "H", "V", "dtype": "bf16", "bias": false, "ignore": "none", "losses": {NAME: text}},
  "device", "torch", "python", "date", "command", "reps", "units": {"time": "ms (median)", "memory": "MiB"},
@@ -43,7 +47,8 @@ OUT.json (rewritten after each B):
            "quack_auto": "scaled_exp" | "base" | null,   # what chunked_linear_cross_entropy picks by default here
            "impls": {NAME: {"fwd_ms", "full_ms", "fwd_extra_mib", "full_extra_mib", "loss", "first_call_s",
                             "wall_s"}
-                         | {"status": "not installed" | "not eligible" | "fails" | "not run", "error"}}}],
+                         | {"status": "not installed" | "not eligible" | "fails" | "not run", "error",
+                            "short" (the table's words, for "fails" and a failed import)}}}],
  "cuda_lost": null | "NAME at B=..: error",
  "png": path | "skipped: reason" | null,
  "wall_s"}
@@ -64,7 +69,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_peers
 SCHEMA = "simpo-verify quack benchmark v1 (python/tools/bench_quack.py)"
 QUACK_DEFAULT_CHUNK = 4096  # chunked_linear_cross_entropy's default chunk_size
 IMPLS = ("ours", "quack_base", "quack_scaled_exp", "torch_eager_ce")
-DEFAULT_IMPLS = "ours,quack_base,quack_scaled_exp,quack_scaled_exp@8192,torch_eager_ce"
+# QuACK as called by default (scaled-exp at chunk 4096 on sm_90), its base pipeline, and scaled-exp at chunks
+# that avoid its m == n failure (the impls list below): 8192 from B = 8 on, 2048 at every B.
+DEFAULT_IMPLS = "ours,quack_base,quack_scaled_exp,quack_scaled_exp@8192,quack_scaled_exp@2048,torch_eager_ce"
 QUACK_NEEDS = ("quack-kernels 0.6.5, nvidia-cutlass-dsl 4.7.1 (with nvidia-cutlass-dsl-libs-base, -libs-core and "
                "-libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext; on the device: python/tools/device_quack.sh")
 LOSSES = {
@@ -306,7 +313,7 @@ def parse_args(argv):
         description="Times ours, QuACK's chunked linear cross-entropy (base and scaled-exp), torch eager CE and "
                     "the cuBLAS floor in one process (T=1024, H=4096, V=128256, bf16); the module docstring has "
                     "the details and the JSON schema.")
-    a.add_argument("out", help="the JSON file to write (rewritten after each B)")
+    a.add_argument("out", help="the JSON file to write (rewritten after each cell)")
     a.add_argument("--batches", default="2,4,8,16", help="B values, comma-separated (default 2,4,8,16)")
     a.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (default 5)")
     a.add_argument("--impls", default=DEFAULT_IMPLS,
@@ -393,6 +400,7 @@ def main(argv=None):
             except Exception as e:
                 row["quack_auto"] = f"unknown: {error_text(e)}"
         print(f"B={B} floor fwd {floor_fwd:.2f} full {floor_full:.2f} ms", flush=True)
+        result["rows"].append(row)
         for name in impls:
             c0 = time.time()
             if result["cuda_lost"]:
@@ -424,13 +432,12 @@ def main(argv=None):
                         result["cuda_lost"] = f"{name} at B={B}: {error_text(e2)}"
             row["impls"][name] = cell
             print(f"B={B} {name}: {cell}", flush=True)
+            write_json(result, args.out)
             try:
                 torch.cuda.empty_cache()
             except Exception:
                 pass
-        result["rows"].append(row)
         del x, t
-        write_json(result, args.out)
         if result["cuda_lost"]:
             print(f"bench_quack: CUDA context lost ({result['cuda_lost']}): no further rows", file=sys.stderr)
             break
