@@ -73,6 +73,15 @@ def test_not_installed_and_lost_cells():
     assert "later cells did not run" in text
 
 
+def test_pipe_in_error_is_escaped():
+    r = fake_result()
+    r["rows"][0]["impls"]["ours"] = {"status": "fails", "short": "unsupported operand type(s) for |", "error": "x"}
+    text = bq.markdown_tables(r)
+    assert "fails (unsupported operand type(s) for \\|)" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| 2 |"))
+    assert row.replace("\\|", "").count("|") == 2 + len(r["impls"]) + 1  # B, floor, one per impl
+
+
 def test_short_error(tmp_path):
     src = tmp_path / "gemm.py"  # a bare assert outside pytest's assertion rewriting, as in QuACK: no message
     src.write_text("def check(m, n):\n    assert m == n\n")

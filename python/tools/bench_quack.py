@@ -181,15 +181,15 @@ def patch_quack_extern_roots():
     orig = getattr(ident, "_is_extern_function", None)
     if orig is None:
         return "not applied: quack.gemm_runtime.identity._is_extern_function not found (another QuACK version)"
-    if getattr(orig, "_bench_quack_roots", None):
-        return "already applied"
+    if getattr(orig, "_bench_quack_patch", None):  # applied earlier in this process
+        return orig._bench_quack_patch
     roots = [os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (quack, cutlass)]
     roots = list(dict.fromkeys(roots))
     patched = make_is_extern(orig, roots)
-    patched._bench_quack_roots = roots
+    patched._bench_quack_patch = ("quack.gemm_runtime.identity._is_extern_function also counts functions outside "
+                                  "quack under " + ", ".join(roots) + " as installed code (keyed by qualified name)")
     ident._is_extern_function = patched
-    return ("quack.gemm_runtime.identity._is_extern_function also counts functions outside quack under "
-            + ", ".join(roots) + " as installed code (keyed by qualified name)")
+    return patched._bench_quack_patch
 
 
 def import_quack(tuned):
@@ -214,9 +214,9 @@ def fmt_ms(ms, floor):
 
 
 def cell_text(c):
-    """A failed cell's table text."""
+    """A failed cell's table text ('|' escaped: an error message may hold one)."""
     if c.get("status") == "fails":
-        return f"fails ({c.get('short') or 'see JSON'})"
+        return f"fails ({c.get('short') or 'see JSON'})".replace("|", "\\|")
     return c.get("status", "?")
 
 
