@@ -70,7 +70,7 @@ SCHEMA = "simpo-verify quack benchmark v1 (python/tools/bench_quack.py)"
 QUACK_DEFAULT_CHUNK = 4096  # chunked_linear_cross_entropy's default chunk_size
 IMPLS = ("ours", "quack_base", "quack_scaled_exp", "torch_eager_ce")
 # QuACK as called by default (scaled-exp at chunk 4096 on sm_90), its base pipeline, and scaled-exp at chunks
-# that avoid its m == n failure (the impls list below): 8192 from B = 8 on, 2048 at every B.
+# that avoid its m == n failure (the docstring's quack_scaled_exp entry): 8192 from B = 8 on, 2048 at every B.
 DEFAULT_IMPLS = "ours,quack_base,quack_scaled_exp,quack_scaled_exp@8192,quack_scaled_exp@2048,torch_eager_ce"
 QUACK_NEEDS = ("quack-kernels 0.6.5, nvidia-cutlass-dsl 4.7.1 (with nvidia-cutlass-dsl-libs-base, -libs-core and "
                "-libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext; on the device: python/tools/device_quack.sh")
