@@ -135,6 +135,47 @@ def gemm_floor(x, w, reps):
     return fwd, full
 
 
+def measure(f, x, w, t, reps, ours=False):
+    """-> {"fwd_ms", "full_ms", "fwd_extra_mib", "full_extra_mib"} of f(x, w, t) (the module docstring's fwd, full
+    and extra memory). One untimed call first (compile / autotune outside the timings). ours: f is simpo_verify's,
+    whose kernel holds device memory outside torch's allocator (simpo_verify._device.last_info), added to the extra."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with torch.no_grad():
+        f(x, w, t)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        fwd = timed(lambda: f(x, w, t), reps)
+    fwd_extra = torch.cuda.max_memory_allocated() - base
+    if ours:
+        from simpo_verify import _device
+
+        outside_fwd = _device.last_info["workspace_bytes"]
+    else:
+        outside_fwd = 0
+    xg = x.detach().requires_grad_(True)
+    wg = w.detach().requires_grad_(True)
+    xg.grad = torch.zeros_like(xg)  # the steady state holds the gradients
+    wg.grad = torch.zeros_like(wg)
+
+    def step():
+        xg.grad, wg.grad = None, None
+        f(xg, wg, t).backward()
+
+    step()
+    xg.grad, wg.grad = torch.zeros_like(xg), torch.zeros_like(wg)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    full = timed(step, reps)
+    # step() frees the old gradients before making new ones: its peak minus the steady state is extra
+    full_extra = torch.cuda.max_memory_allocated() - base
+    outside_full = (_device.last_info["workspace_bytes"] + _device.last_info["extra_device_bytes"]) if ours else 0
+    return {"fwd_ms": fwd, "full_ms": full, "fwd_extra_mib": (fwd_extra + outside_fwd) / 2**20,
+            "full_extra_mib": (full_extra + outside_full) / 2**20}
+
+
 def main():
     a = argparse.ArgumentParser()
     a.add_argument("out")
@@ -183,43 +224,7 @@ def main():
         row = {"B": B, "floor_fwd_ms": floor_fwd, "floor_full_ms": floor_full, "impls": {}}
         for name in impls:
             try:
-                f = loss_fn(name)
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                with torch.no_grad():
-                    f(x, w, t)  # compile / autotune outside the timings
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                with torch.no_grad():
-                    fwd = timed(lambda: f(x, w, t), args.reps)
-                fwd_extra = torch.cuda.max_memory_allocated() - base
-                from simpo_verify import _device
-
-                ours = name.startswith("ours")
-                outside_fwd = _device.last_info["workspace_bytes"] if ours else 0
-                xg = x.detach().requires_grad_(True)
-                wg = w.detach().requires_grad_(True)
-                xg.grad = torch.zeros_like(xg)  # the steady state holds the gradients
-                wg.grad = torch.zeros_like(wg)
-
-                def step():
-                    xg.grad, wg.grad = None, None
-                    f(xg, wg, t).backward()
-
-                step()
-                xg.grad, wg.grad = torch.zeros_like(xg), torch.zeros_like(wg)
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                full = timed(step, args.reps)
-                # step() frees the old gradients before making new ones: its peak minus the steady state is extra
-                full_extra = torch.cuda.max_memory_allocated() - base
-                outside_full = (_device.last_info["workspace_bytes"] + _device.last_info["extra_device_bytes"]
-                                if ours else 0)
-                row["impls"][name] = {"fwd_ms": fwd, "full_ms": full,
-                                      "fwd_extra_mib": (fwd_extra + outside_fwd) / 2**20,
-                                      "full_extra_mib": (full_extra + outside_full) / 2**20}
-                del xg, wg
+                row["impls"][name] = measure(loss_fn(name), x, w, t, args.reps, ours=name.startswith("ours"))
             except Exception as e:
                 row["impls"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"B={B} {name}: {row['impls'][name]}", flush=True)

@@ -3,16 +3,17 @@
 #   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test, cuda_bench,
 #                                                  gemm_accuracy, gemm_floor and fused_accuracy_table, a CTest
 #                                                  file of the gpu-labelled tests, libgomp and libcupti into STAGE
-#   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all but floor): gemm (gemm_accuracy:
+#   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all but floor and ncu): gemm (gemm_accuracy:
 #                                                  the logits GEMMs' error and speed), floor (gemm_floor: the best
 #                                                  GEMM per step shape, FLOOR_ARGS), ctest (ctest -L gpu), accuracy
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
 #                                                  the BENCH_EXTRA forms and the 64 MiB low-memory schedule),
 #                                                  sanitize (memcheck on the suite, racecheck on
-#                                                  small cases); logs in $OUT
+#                                                  small cases), ncu (Nsight Compute on the step's GEMMs at
+#                                                  NCU_B); logs in $OUT
 # Knobs (environment): FLOOR_ARGS (gemm_floor's arguments, default none: M = 2048 4096), BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
 # (the same for fused_accuracy_table), SMALL_WORKSPACE, PEERS_JSON (default: bench/peers.json),
-# MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY.
+# MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY, NCU_B/_COUNT/_TIMEOUT.
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
@@ -98,6 +99,21 @@ if want bench; then
   fi
   python3 "$(dirname "$0")/speed_table.py" "$OUT/bench.log" --json "$OUT/speed.json" --png "$OUT/speed.png" \
     --peers "${PEERS_JSON:-$(dirname "$0")/peers.json}" 2>&1 | tee -a "$OUT/bench.log"
+fi
+
+if want ncu; then
+  # Not in the default parts: Nsight Compute's view of the step's GEMMs (ours: CUTLASS device_kernel; the floor's:
+  # cuBLAS nvjet/gemm) at one B, for where a GEMM loses to the floor (tensor-pipe use, stalls, L2 and DRAM traffic).
+  # Clocks left as the card runs them (--clock-control none), so the durations compare with cuda_bench's.
+  echo "== ncu, cuda_bench --B ${NCU_B:-4}, the first ${NCU_COUNT:-8} GEMM launches"
+  timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name regex:"device_kernel|nvjet|gemm" \
+    --launch-count ${NCU_COUNT:-8} --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section LaunchStats "$stage/cuda_bench" --B ${NCU_B:-4} --reps 1 --warmup 0 > "$OUT/ncu.txt" 2>&1
+  rc=$?
+  grep -E "^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy|Registers Per" \
+    "$OUT/ncu.txt" | head -80
+  summary+=("ncu exit $rc (report in ncu.txt)")
 fi
 
 if want sanitize; then
