@@ -236,7 +236,12 @@ TensorReport measure(const ProblemScales& scales, const std::string& name, const
       r.rows_beyond += err > bound;
       if (m > worst_row_margin) {
         worst_row_margin = m;
-        r.worst_row = "(" + std::to_string(row / scales.shape.T) + ", " + std::to_string(row % scales.shape.T) + ")";
+        // Appended piece by piece: GCC 12 reports a false -Wrestrict on "literal" + std::string&&.
+        r.worst_row = "(";
+        r.worst_row += std::to_string(row / scales.shape.T);
+        r.worst_row += ", ";
+        r.worst_row += std::to_string(row % scales.shape.T);
+        r.worst_row += ")";
       }
     }
     r.margin = std::max(r.margin, worst_row_margin);

@@ -138,15 +138,15 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, const Layout& fi
 // The regions of the fixed part of a layout.
 std::vector<Region> fixed_regions(const Shape& s, const Layout& l) {
   const std::int64_t N = s.N(), B = s.B;
-  return {{"GEMM scratch", l.gemm, l.gemm_bytes},
-          {"row max", l.row_max, N * 4},
-          {"lse", l.lse, N * 4},
-          {"target logit", l.z_target, N * 4},
-          {"raw target logit", l.z_target_raw, l.z_target_raw == l.target_coef ? 0 : N * 4},
-          {"target coefficient", l.target_coef, N * 4},
-          {"row sum", l.rowsum, N * 8},
-          {"dL/davg", l.avg_grad, B * 8},
-          {"completion tokens", l.completion_tokens, B * 8}};
+  return {{"GEMM scratch", l.gemm, l.gemm_bytes, {}},
+          {"row max", l.row_max, N * 4, {}},
+          {"lse", l.lse, N * 4, {}},
+          {"target logit", l.z_target, N * 4, {}},
+          {"raw target logit", l.z_target_raw, l.z_target_raw == l.target_coef ? 0 : N * 4, {}},
+          {"target coefficient", l.target_coef, N * 4, {}},
+          {"row sum", l.rowsum, N * 8, {}},
+          {"dL/davg", l.avg_grad, B * 8, {}},
+          {"completion tokens", l.completion_tokens, B * 8, {}}};
 }
 
 }  // namespace
@@ -221,11 +221,11 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
       plan.grad_weight = StepPlan::GradWeight::sliced;
       plan.accumulator_bytes = N * ld_h * 4;
       plan.regions = fixed_regions(s, fixed);
-      plan.regions.push_back({"row coefficients k", sliced.row_k, N * 4});
+      plan.regions.push_back({"row coefficients k", sliced.row_k, N * 4, {}});
       // The statistics pass, then (in the same bytes) the backward's tile and grad_W slice.
       const std::int64_t stat_rows = sliced.stat_rows, element = dz_in_epilogue ? 2 : 4;
       plan.regions.push_back({"statistics pass: tile partials", sliced.tile_max,
-                              sliced.tile_sum + tiles * stat_rows * 8 - sliced.tile_max});
+                              sliced.tile_sum + tiles * stat_rows * 8 - sliced.tile_max, {}});
       const std::string statistics = "statistics pass: tile partials";
       plan.regions.push_back({"backward: tile", sliced.tile, sliced.block_rows * sliced.slice_columns * element,
                               statistics});
@@ -281,19 +281,19 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
   const std::int64_t kept_bytes = plan.kept == StepPlan::Kept::distances ? rows * ld_v * 2
                                   : plan.kept == StepPlan::Kept::fp32 || !plan.epilogue_statistics ? rows * ld_v * 4
                                                                                                    : 0;
-  plan.regions.push_back({"kept logits (dz in place)", layout.logits, kept_bytes});
+  plan.regions.push_back({"kept logits (dz in place)", layout.logits, kept_bytes, {}});
   if (gradients) {
     const std::string grad_x = "grad_x rows (tile partials but the max before it)";
-    plan.regions.push_back({grad_x, layout.grad_x, std::max(rows * ld_h * 4, tiles_kept * rows * 12)});
+    plan.regions.push_back({grad_x, layout.grad_x, std::max(rows * ld_h * 4, tiles_kept * rows * 12), {}});
     if (plan.defers_weight_finish())
       plan.regions.push_back({"deferred weight finish: the last chunk's targets and coefficients",
                               layout.deferred_targets, rows * 12, grad_x});
-    plan.regions.push_back({"gathered x rows", layout.x_rows, rows * ld_h * element});
-    plan.regions.push_back({"tile max", layout.tile_max, tiles_kept * rows * 4});
+    plan.regions.push_back({"gathered x rows", layout.x_rows, rows * ld_h * element, {}});
+    plan.regions.push_back({"tile max", layout.tile_max, tiles_kept * rows * 4, {}});
   } else {
-    plan.regions.push_back({"tile max", layout.tile_max, tiles_kept * rows * 4});
-    plan.regions.push_back({"tile sum of exp", layout.tile_sum_exp, tiles_kept * rows * 4});
-    plan.regions.push_back({"tile sum", layout.tile_sum, tiles_kept * rows * 8});
+    plan.regions.push_back({"tile max", layout.tile_max, tiles_kept * rows * 4, {}});
+    plan.regions.push_back({"tile sum of exp", layout.tile_sum_exp, tiles_kept * rows * 4, {}});
+    plan.regions.push_back({"tile sum", layout.tile_sum, tiles_kept * rows * 8, {}});
   }
   return plan;
 }
