@@ -32,6 +32,20 @@ HP = dict(beta=0.1, gamma=0.5, alpha=1.0, label_smoothing=0.0, compute_nll_loss=
           grad_scale=1.0, empty_sequence="error")
 
 
+def workload_weight(g, dtype=torch.bfloat16):
+    """The LM head W [V, H] ~ N(0, 4/H) (logits of standard deviation 2 against x ~ N(0, 1)), drawn from g first:
+    every bench on this workload draws W, then x and t per B, from one generator seeded 0, so each B's inputs are
+    the same in every tool."""
+    return (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(dtype)
+
+
+def workload_rows(g, B, dtype=torch.bfloat16):
+    """x [B, T, H] ~ N(0, 1) and targets t [B, T] uniform over V (every token a target), drawn from g."""
+    x = torch.randn(B, T, H, device="cuda", generator=g).to(dtype)
+    t = torch.randint(0, V, (B, T), device="cuda", generator=g)
+    return x, t
+
+
 def timed(fn, reps):
     times = []
     for i in range(reps + 1):
@@ -191,7 +205,7 @@ def main():
     impls = args.impls.split(",")
     t_start = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(dtype)
+    w = workload_weight(g, dtype)
     result = {
         "schema": "simpo-verify peers benchmark v1 (python/README.md)",
         "workload": {"T": T, "H": H, "V": V, "dtype": args.dtype, "bias": False, "ignore": "none",
@@ -206,8 +220,7 @@ def main():
     }
     if args.cce_probe:
         gp = torch.Generator(device="cuda").manual_seed(1)  # its own inputs: the rows' stream stays as it was
-        x = torch.randn(2, T, H, device="cuda", generator=gp).to(torch.bfloat16)
-        t = torch.randint(0, V, (2, T), device="cuda", generator=gp)
+        x, t = workload_rows(gp, 2)
         try:
             result["cce_probe"] = cce_probe(x, w, t, args.reps)
         except Exception as e:
@@ -218,8 +231,7 @@ def main():
     for B in [int(b) for b in args.batches.split(",")]:
         if args.budget and time.time() - t_start > args.budget:
             break
-        x = torch.randn(B, T, H, device="cuda", generator=g).to(dtype)
-        t = torch.randint(0, V, (B, T), device="cuda", generator=g)
+        x, t = workload_rows(g, B, dtype)
         floor_fwd, floor_full = gemm_floor(x, w, args.reps)
         row = {"B": B, "floor_fwd_ms": floor_fwd, "floor_full_ms": floor_full, "impls": {}}
         for name in impls:

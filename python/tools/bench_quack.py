@@ -344,7 +344,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         sys.exit("bench_quack: no CUDA device visible to torch (torch.cuda.is_available() is False)")
-    from bench_peers import H, T, V, gemm_floor, loss_fn, measure
+    from bench_peers import H, T, V, gemm_floor, loss_fn, measure, workload_rows, workload_weight
 
     impls = args.impls
     t_start = time.time()
@@ -374,7 +374,7 @@ def main(argv=None):
             x, w, t, chunk_size=int(chunk), reduction="mean", tuned=not args.quack_untuned, use_scaled_exp=scaled)
 
     g = torch.Generator(device="cuda").manual_seed(0)  # bench_peers.py's inputs, in its order
-    w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(torch.bfloat16)
+    w = workload_weight(g)
     result = {
         "schema": SCHEMA,
         "workload": {"T": T, "H": H, "V": V, "dtype": "bf16", "bias": False, "ignore": "none",
@@ -389,8 +389,7 @@ def main(argv=None):
         if args.budget and time.time() - t_start > args.budget:
             print(f"bench_quack: budget of {args.budget:.0f} s spent: no row from B={B} on", flush=True)
             break
-        x = torch.randn(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
-        t = torch.randint(0, V, (B, T), device="cuda", generator=g)
+        x, t = workload_rows(g, B)
         floor_fwd, floor_full = gemm_floor(x, w, args.reps)
         row = {"B": B, "floor_fwd_ms": floor_fwd, "floor_full_ms": floor_full, "quack_auto": None, "impls": {}}
         if lce is not None:

@@ -12,11 +12,8 @@ set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pylibs
-for f in .pylibs/*; do
-  n=$(basename "$f" .gz)
-  case "$f" in *.gz) gunzip -c "$f" > /tmp/pylibs/$n ;; *) cp "$f" /tmp/pylibs/ ;; esac
-done
+. scripts/device_libraries.sh
+unpack_carried_libraries .pylibs /tmp/pylibs
 export PYTHONPATH=/tmp/site:$PWD/python/tools LD_LIBRARY_PATH=/tmp/pylibs:${LD_LIBRARY_PATH:-}
 date -u; nvidia-smi -L
 python3 -c "import simpo_verify as sv, torch; print('simpo_verify', sv.__file__, 'cuda', sv.cuda_available(), 'torch', torch.__version__)" || exit 1

@@ -127,11 +127,8 @@ run stage-a again"
     echo "device_quack: no .whl/simpo_verify-*.whl carried: the bench's 'ours' column will read 'not installed'" >&2
   fi
   if [ -d .pylibs ]; then  # the extension's Debian libraries, for a wheel built without them (device_dropin.sh)
-    mkdir -p /tmp/pylibs
-    for f in .pylibs/*; do
-      n=$(basename "$f" .gz)
-      case "$f" in *.gz) gunzip -c "$f" > /tmp/pylibs/"$n" ;; *) cp "$f" /tmp/pylibs/ ;; esac
-    done
+    . scripts/device_libraries.sh
+    unpack_carried_libraries .pylibs /tmp/pylibs
     export LD_LIBRARY_PATH=/tmp/pylibs:${LD_LIBRARY_PATH:-}
   fi
   # The CuTe DSL's packages live in nvidia_cutlass_dsl/dsl_packages, which its .pth file puts on sys.path; a

@@ -15,13 +15,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
 SWEEP_BUDGET=${SWEEP_BUDGET:-75} CASES=${CASES:-300} BENCH_BUDGET=${BENCH_BUDGET:-55} REPS=${REPS:-10}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The extension's Debian libraries, where the image lacks them; CUDA's from the toolkit or torch's wheels.
-mkdir -p /tmp/pylibs
-for f in .pylibs/*; do  # none with build_wheel.sh's repaired wheel, which carries them
-  [ -e "$f" ] || continue
-  n=$(basename "$f" .gz)
-  ldconfig -p | awk '{print $1}' | grep -qx "$n" && continue
-  case "$f" in *.gz) gunzip -c "$f" > /tmp/pylibs/$n ;; *) cp "$f" /tmp/pylibs/ ;; esac
-done
+. scripts/device_libraries.sh
+unpack_carried_libraries .pylibs /tmp/pylibs --skip-present  # none with build_wheel.sh's repaired wheel
 cuda_libs=$(dirname "$(find /usr/local/cuda/ /usr/local/lib /opt -name 'libcublasLt.so.13' 2>/dev/null | head -1)" 2>/dev/null)
 export PYTHONPATH=/tmp/site:$PWD/python/tools LD_LIBRARY_PATH=/tmp/pylibs:${cuda_libs:-/usr/local/cuda/lib64}:${LD_LIBRARY_PATH:-}
 echo "libraries carried: $(ls /tmp/pylibs | tr '\n' ' '); CUDA libraries: $cuda_libs"

@@ -13,12 +13,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/results}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pylibs
-for f in .pylibs/*; do
-  [ -e "$f" ] || continue
-  n=$(basename "$f" .gz)
-  case "$f" in *.gz) gunzip -c "$f" > /tmp/pylibs/$n ;; *) cp "$f" /tmp/pylibs/ ;; esac
-done
+. scripts/device_libraries.sh
+unpack_carried_libraries .pylibs /tmp/pylibs
 export PYTHONPATH=/tmp/site LD_LIBRARY_PATH=/tmp/pylibs:${LD_LIBRARY_PATH:-}
 date -u; nvidia-smi -L
 python3 -c "

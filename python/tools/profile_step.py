@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_peers import H, T, V, loss_fn, timed  # noqa: E402
+from bench_peers import H, T, V, loss_fn, timed, workload_rows, workload_weight  # noqa: E402
 
 # Kernel-name patterns -> what the kernel computes (first match wins).
 # Kernel-name patterns -> what the kernel computes (first match wins). CUTLASS kernels are told apart by the
@@ -90,9 +90,8 @@ def main():
     args = a.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.data == "normal":
-        w = (torch.randn(V, H, device="cuda", generator=g) * (2.0 / H ** 0.5)).to(torch.bfloat16)
-        x = torch.randn(args.B, T, H, device="cuda", generator=g).to(torch.bfloat16)
-        t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
+        w = workload_weight(g)
+        x, t = workload_rows(g, args.B)
     else:
         def uniform(*shape, half_width):
             return ((torch.rand(*shape, device="cuda", generator=g) * 2 - 1) * half_width).to(torch.bfloat16)
