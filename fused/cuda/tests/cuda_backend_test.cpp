@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -893,6 +894,41 @@ TEST(CudaBackendErrors, OutOfDeviceMemoryIsAnInputErrorNamingTheBytes) {
   }
   // The failed allocation must leave the device usable.
   check_case(spec_of({.B = 2, .T = 8, .H = 16, .V = 40}, 2.0, 46), cuda_options());
+}
+
+// The device's NaN/Inf scan reads inputs at any element offset (a torch slice such as weight[1:]): the unaligned
+// head element by element, the 16-byte aligned middle by vectors, the tail element by element; each names the lowest
+// non-finite index, as validate() does.
+TEST(CudaBackendErrors, NonFiniteScanOfAnUnalignedInputNamesTheFirstOne) {
+  SKIP_WITHOUT_DEVICE();
+  const Shape shape{.B = 2, .T = 16, .H = 40, .V = 64};
+  const std::int64_t n = shape.V * shape.H;
+  Options options = cuda_options();
+  options.gradients = false;
+  DeviceStep step(deferred_case(shape, 53), options);
+  const auto& clean = step.problem.weight.as<bf16>();
+  for (const std::int64_t offset : {1, 3, 7}) {
+    // (row, column) -> the message's index; head, middle and tail positions, the earliest of two in one vector
+    for (const std::vector<std::int64_t>& poisoned :
+         std::vector<std::vector<std::int64_t>>{{0}, {7 - offset}, {1000, 1002}, {1003, 1001}, {n - 1}}) {
+      std::vector<bf16> w(clean.begin(), clean.end());
+      for (const std::int64_t i : poisoned) w[static_cast<std::size_t>(i)] = bf16(NAN);
+      cuda::DeviceBuffer shifted(static_cast<std::size_t>((n + offset) * 2), "a shifted weight");
+      ASSERT_EQ(cudaSuccess, cudaMemcpy(static_cast<bf16*>(shifted.get()) + offset, w.data(), n * 2,
+                                        cudaMemcpyHostToDevice));
+      DeviceCall c = step.call;
+      c.weight = address(shifted) + offset * 2;
+      const std::int64_t first = *std::min_element(poisoned.begin(), poisoned.end());
+      const std::string expected = "non-finite input: weight(" + std::to_string(first / shape.H) + ", " +
+                                   std::to_string(first % shape.H) + ")";
+      try {
+        compute_on_device(c);
+        ADD_FAILURE() << "no InputError at offset " << offset << " for " << expected;
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << "offset " << offset << ": " << e.what();
+      }
+    }
+  }
 }
 
 TEST(CudaBackendDispatch, FusedComputePicksTheCudaBackend) {
