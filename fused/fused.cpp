@@ -67,6 +67,33 @@ DeviceResult compute_on_device(const DeviceCall& call) {
 #endif
 }
 
+DeviceWorkspace device_workspace(const DeviceCall& call) {
+#if SIMPO_HAVE_CUDA
+  return cuda::device_workspace(call);
+#else
+  (void)call;
+  return {};
+#endif
+}
+
+bool PendingWeightGradient::waiting() const {
+#if SIMPO_HAVE_CUDA
+  return cuda::waiting(*this);
+#else
+  return false;  // no backend to defer anything
+#endif
+}
+
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
+#if SIMPO_HAVE_CUDA
+  cuda::finish_weight_gradient_on_device(pending, scale, stream);
+#else
+  (void)pending, (void)scale, (void)stream;
+  throw InputError("finish_weight_gradient_on_device: this build has no cuda backend (no nvcc at build time), so "
+                   "nothing was deferred");
+#endif
+}
+
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
                               std::uintptr_t out, int device, std::uintptr_t stream) {
 #if SIMPO_HAVE_CUDA

@@ -7,6 +7,7 @@
 #include "problem/problem.h"
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -84,18 +85,61 @@ struct DeviceCall {
   Options options;
   // Keep the backend's scratch for the next call (a training loop calls once per step); false frees it at the end.
   bool keep_workspace = false;
+  // Optional: caller-owned device memory (256-byte aligned, at least device_workspace(call).bytes) that holds this
+  // call's scratch and accumulator instead of the backend's own; the backend then frees its own for the call, so
+  // the two are never held at once. 0: the backend's own.
+  std::uintptr_t workspace = 0;
+  std::int64_t workspace_size = 0;
+  // Where the step accumulates grad_weight in the bf16 hi/lo pair (device_workspace says: bf16 inputs and output,
+  // the sm_90a kernels, H % 8 == 0, the chunked schedule), leave the last chunk's weight GEMM and its target term
+  // for finish_weight_gradient_on_device, which runs them with the loss scale known: DeviceResult::pending. Needs
+  // `workspace`: the pending GEMM's operands (that chunk's dz and x rows, its targets and coefficients) and the
+  // pair's lo (unless grad_weight_lo is given) stay in it until the finish, so that other calls may run in between.
+  // grad_x and grad_bias are complete when the call returns, as without it. Where the pair does not run nothing is
+  // deferred (pending empty) and the call is the whole step.
+  bool defer_weight_finish = false;
 };
+
+// The scratch a call needs in DeviceCall::workspace, and whether its grad_weight can be deferred
+// (DeviceCall::defer_weight_finish), from its plan: shape, input dtype, options, the gradient outputs given, the
+// device. Plans only (no launch, no validation): a call compute_on_device would refuse gives {0, false}, and
+// compute_on_device says why.
+struct DeviceWorkspace {
+  std::int64_t bytes = 0;
+  bool defers_weight_finish = false;
+};
+DeviceWorkspace device_workspace(const DeviceCall&);
+
+// What a deferred call (DeviceCall::defer_weight_finish) left to do: the last chunk's weight GEMM over operands in
+// its workspace, into grad_weight. Copies share one state; finish_weight_gradient_on_device runs it once.
+struct PendingWeightGradient {
+  struct State;                  // the cuda backend's (fused/cuda/device_fused.h)
+  std::shared_ptr<State> state;  // null: nothing was deferred
+  bool waiting() const;          // deferred and not finished yet
+};
+
 struct DeviceResult {
   TensorMap forward;                  // loss, nll_loss, *_logps, *_logits_mean, *_rewards (F32, host)
-  std::int64_t workspace_bytes = 0;   // the backend's scratch
+  // The backend's own scratch (0 when the call ran in DeviceCall::workspace).
+  std::int64_t workspace_bytes = 0;
   // Beyond the workspace: this call's padded copies and fp32 accumulators, and the backend's grad_weight
-  // accumulator (the lo half of the hi/lo pair, or an fp32 one).
+  // accumulator (the lo half of the hi/lo pair, or an fp32 one) unless it lived in DeviceCall::workspace.
   std::int64_t extra_device_bytes = 0;
   std::string plan;                   // the plan that ran (fused/cuda/plan.h), for logs
+  PendingWeightGradient pending;      // with defer_weight_finish, where it applied
 };
 // Validates as compute() does (SPEC's rules; the NaN/Inf scan on the device unless options.validate is false).
 // InputError where the build has no cuda backend.
 DeviceResult compute_on_device(const DeviceCall&);
+
+// The deferred weight gradient of `pending` with the loss scale s (autograd's grad_output), ordered on `stream`
+// (after the call that deferred it, which had finished when it returned): the last chunk's GEMM adds its
+// accumulator into the pair with s in its epilogue, hi = T(s (acc + hi + lo)) with one rounding, then the
+// chunk's target term, s times its fp32 sum. grad_weight is then what the step run with grad_scale s would give (up
+// to the fp32 rounding of the scaled sum), and at s = 1 bit for bit the step without deferral. The call's
+// workspace and grad_weight must still be alive. InputError for a pending with nothing waiting (none deferred, or
+// finished already) and for a non-finite s.
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream);
 
 // out[i] = T(scale (hi[i] + lo[i])) for n elements of dtype T (lo 0: T(scale hi[i])), ordered on `stream` of `device`:
 // a gradient of compute_on_device and its residue (DeviceCall::grad_x_lo...) scaled with one rounding, as if the step

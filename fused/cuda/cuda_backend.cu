@@ -12,6 +12,7 @@
 #include <climits>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <memory>
 #include <sstream>
 
@@ -43,12 +44,32 @@ FusedRunner& runner_for(int device) {
 }
 
 // Lowest flat index of a NaN or Inf (exponent all ones: `exponent` is the dtype's exponent mask on its bits U) in
-// p[0, n), by atomicMin into *first.
+// p[0, n), by atomicMin into *first. The scan is bound by memory bandwidth, so the aligned middle is read 16 bytes
+// per load (one 2-byte load per thread reaches a fraction of it); the unaligned head and the tail element by element.
 template <class U>
 __global__ void first_nonfinite(const U* p, std::int64_t n, U exponent, unsigned long long* first) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    if ((p[i] & exponent) == exponent) atomicMin(first, static_cast<unsigned long long>(i));
+  constexpr int kPerLoad = 16 / sizeof(U);
+  const std::int64_t thread = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x,
+                     threads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const int misaligned = static_cast<int>(reinterpret_cast<std::uintptr_t>(p) % 16 / sizeof(U));
+  const std::int64_t head = std::min<std::int64_t>(n, misaligned ? kPerLoad - misaligned : 0),
+                     loads = (n - head) / kPerLoad, tail = head + loads * kPerLoad;
+  auto check = [&](std::int64_t i, U bits) {
+    if ((bits & exponent) == exponent) atomicMin(first, static_cast<unsigned long long>(i));
+  };
+  for (std::int64_t i = thread; i < head; i += threads) check(i, p[i]);
+  const uint4* aligned = reinterpret_cast<const uint4*>(p + head);
+  for (std::int64_t j = thread; j < loads; j += threads) {
+    const uint4 v = aligned[j];
+    U e[kPerLoad];
+    memcpy(e, &v, sizeof(v));
+    for (int k = 0; k < kPerLoad; ++k)
+      if ((e[k] & exponent) == exponent) {  // the lowest index of this load is enough
+        atomicMin(first, static_cast<unsigned long long>(head + j * kPerLoad + k));
+        break;
+      }
+  }
+  for (std::int64_t i = tail + thread; i < n; i += threads) check(i, p[i]);
 }
 
 // Element i of device array p of dtype `dtype`, widened to double (for a message).
@@ -62,47 +83,88 @@ double device_value(std::uintptr_t p, DType dtype, std::int64_t i) {
   return static_cast<double>(static_cast<float>(*reinterpret_cast<const bf16*>(bytes)));
 }
 
-// SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message.
-void scan_values(const DeviceCall& c, cudaStream_t stream) {
-  const Shape& s = c.shape;
+// A stream of the calling thread's own beside each runner's, for the NaN/Inf scan.
+cudaStream_t side_stream_for(int device) {
+  struct Side {
+    cudaStream_t s = nullptr;
+    Side() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+    ~Side() { cudaStreamDestroy(s); }
+  };
+  thread_local std::map<int, std::unique_ptr<Side>> sides;
+  auto& side = sides[device];
+  if (!side) side = std::make_unique<Side>();
+  return side->s;
+}
+
+// SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message. The scan runs on
+// a side stream beside the step (it reads memory while the logits GEMM computes), and its result is read at the
+// call's final synchronization: no synchronization of its own. Launched once the inputs are ready (`ready`);
+// join() makes `main` wait for it; check(), after `main` is synchronized, throws for a non-finite input, whose
+// outputs are then discarded (the kernels do not index by value: NaN flows through them).
+class ValueScan {
+ public:
+  ValueScan(const DeviceCall& c, cudaEvent_t ready) : c_(c), side_(side_stream_for(c.device)) {
+    const Shape& s = c.shape;
+    scans_ = {{"x", c.x, {s.B, s.T, s.H}}, {"weight", c.weight, {s.V, s.H}}};
+    if (c.bias) scans_.push_back({"bias", c.bias, {s.V}});
+    int sms = 0;
+    SIMPO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c.device));
+    SIMPO_CUDA_CHECK(cudaStreamWaitEvent(side_, ready, 0));
+    first_ = DeviceBuffer(scans_.size() * sizeof(unsigned long long), "the NaN/Inf scan's result", side_);
+    SIMPO_CUDA_CHECK(cudaMemsetAsync(first_.get(), 0xff, first_.bytes(), side_));
+    for (std::size_t i = 0; i < scans_.size(); ++i) {
+      std::int64_t n = 1;
+      for (auto d : scans_[i].shape) n *= d;
+      const int blocks = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms} * 16));
+      unsigned long long* result = first_.as<unsigned long long>() + i;
+      if (c.input_dtype == DType::F32)
+        first_nonfinite<<<blocks, 256, 0, side_>>>(reinterpret_cast<const std::uint32_t*>(scans_[i].p), n,
+                                                   std::uint32_t{0x7f800000u}, result);
+      else
+        first_nonfinite<<<blocks, 256, 0, side_>>>(reinterpret_cast<const std::uint16_t*>(scans_[i].p), n,
+                                                   static_cast<std::uint16_t>(c.input_dtype == DType::F16 ? 0x7c00u : 0x7f80u),
+                                                   result);
+      SIMPO_CUDA_CHECK_LAUNCH();
+    }
+    SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    SIMPO_CUDA_CHECK(cudaEventRecord(done_, side_));
+  }
+  // Waits for the scan before the call returns, however it returns: the caller may free the inputs right after.
+  ~ValueScan() {
+    cudaEventSynchronize(done_);
+    cudaEventDestroy(done_);
+  }
+  ValueScan(const ValueScan&) = delete;
+  ValueScan& operator=(const ValueScan&) = delete;
+
+  void join(cudaStream_t main) const { SIMPO_CUDA_CHECK(cudaStreamWaitEvent(main, done_, 0)); }
+
+  void check() const {
+    std::vector<unsigned long long> host(scans_.size());
+    SIMPO_CUDA_CHECK(cudaEventSynchronize(done_));
+    SIMPO_CUDA_CHECK(cudaMemcpy(host.data(), first_.get(), first_.bytes(), cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < scans_.size(); ++i) {
+      if (host[i] == ULLONG_MAX) continue;
+      const double value = device_value(scans_[i].p, c_.input_dtype, static_cast<std::int64_t>(host[i]));
+      std::ostringstream os;
+      os << "non-finite input: " << scans_[i].name << index_string(static_cast<std::int64_t>(host[i]), scans_[i].shape)
+         << " = " << static_cast<float>(value);
+      throw InputError(os.str());
+    }
+  }
+
+ private:
   struct Scan {
     const char* name;
     std::uintptr_t p;
     std::vector<std::int64_t> shape;
   };
-  std::vector<Scan> scans = {{"x", c.x, {s.B, s.T, s.H}}, {"weight", c.weight, {s.V, s.H}}};
-  if (c.bias) scans.push_back({"bias", c.bias, {s.V}});
-  int device = 0, sms = 0;
-  SIMPO_CUDA_CHECK(cudaGetDevice(&device));
-  SIMPO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  DeviceBuffer first(scans.size() * sizeof(unsigned long long), "the NaN/Inf scan's result", stream);
-  SIMPO_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xff, first.bytes(), stream));
-  for (std::size_t i = 0; i < scans.size(); ++i) {
-    std::int64_t n = 1;
-    for (auto d : scans[i].shape) n *= d;
-    const int blocks = static_cast<int>(std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms} * 16));
-    unsigned long long* result = first.as<unsigned long long>() + i;
-    if (c.input_dtype == DType::F32)
-      first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint32_t*>(scans[i].p), n,
-                                                  std::uint32_t{0x7f800000u}, result);
-    else
-      first_nonfinite<<<blocks, 256, 0, stream>>>(reinterpret_cast<const std::uint16_t*>(scans[i].p), n,
-                                                  static_cast<std::uint16_t>(c.input_dtype == DType::F16 ? 0x7c00u : 0x7f80u),
-                                                  result);
-    SIMPO_CUDA_CHECK_LAUNCH();
-  }
-  std::vector<unsigned long long> host(scans.size());
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(host.data(), first.get(), first.bytes(), cudaMemcpyDeviceToHost, stream));
-  SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-  for (std::size_t i = 0; i < scans.size(); ++i) {
-    if (host[i] == ULLONG_MAX) continue;
-    const double value = device_value(scans[i].p, c.input_dtype, static_cast<std::int64_t>(host[i]));
-    std::ostringstream os;
-    os << "non-finite input: " << scans[i].name << index_string(static_cast<std::int64_t>(host[i]), scans[i].shape)
-       << " = " << static_cast<float>(value);
-    throw InputError(os.str());
-  }
-}
+  const DeviceCall& c_;
+  cudaStream_t side_;
+  std::vector<Scan> scans_;
+  DeviceBuffer first_;
+  cudaEvent_t done_ = nullptr;
+};
 
 // SPEC's rules but the values, on a problem with the call's shape, hyperparameters and targets (copied to the host)
 // and zero x and weight of one hidden unit: what the forward outputs' host math reads of a problem.
@@ -162,6 +224,16 @@ struct StreamOrder {
   }
 };
 
+// The gradient outputs compute_on_device gives the runner for a call (the DeviceGradients it builds), for its plan.
+GradientOutputs gradient_outputs(const DeviceCall& c) {
+  const Options& o = c.options;
+  const bool f32 = o.grad_weight_f32 || c.input_dtype == DType::F32, want_weight = o.gradients && o.grad_weight;
+  return GradientOutputs{.grad_x = o.gradients && o.grad_x,
+                         .grad_weight_f32 = want_weight && f32,
+                         .grad_weight_16bit = want_weight && !f32,
+                         .grad_weight_lo = want_weight && c.grad_weight_lo != 0};
+}
+
 }  // namespace
 
 DeviceResult compute_on_device(const DeviceCall& c) { return compute_on_device(c, Tuning{}); }
@@ -188,6 +260,12 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   if ((c.grad_x_lo && c.input_dtype == DType::F32) || ((c.grad_weight_lo || c.grad_bias_lo) && f32))
     throw InputError("compute_on_device: rounding residues (grad_*_lo) are for bf16 and f16 outputs; an f32 output "
                      "has none to keep");
+  if (c.workspace_size < 0 || (c.workspace && c.workspace % 256 != 0) || (c.workspace_size > 0 && !c.workspace))
+    throw InputError("compute_on_device: the caller's workspace must be a 256-byte aligned device pointer with "
+                     "workspace_size >= 0 bytes (device_workspace says how many)");
+  if (c.defer_weight_finish && !c.workspace)
+    throw InputError("compute_on_device: defer_weight_finish needs DeviceCall::workspace: the deferred GEMM's operands "
+                     "stay there until finish_weight_gradient_on_device (device_workspace says how many bytes)");
 
   SIMPO_CUDA_CHECK(cudaSetDevice(c.device));
   FusedRunner& runner = runner_for(c.device);
@@ -207,11 +285,14 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   const StreamOrder order;
   SIMPO_CUDA_CHECK(cudaEventRecord(order.ready, caller));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream, order.ready, 0));
+  std::optional<ValueScan> scan;
+  if (options.validate) scan.emplace(c, order.ready);
   const Problem targets = targets_problem(c, stream);
-  if (options.validate) scan_values(c, stream);
 
   DeviceResult result;
   DeviceBuffer x_copy, weight_copy, weight_acc, bias_acc;
+  const CallerMemory memory{reinterpret_cast<char*>(c.workspace), c.workspace_size};
+  HiLoChunk deferred;
   with_element_type(c.input_dtype, [&]<class T>(T) {
     DeviceProblemOf<T> dp;
     dp.shape = s;
@@ -252,22 +333,68 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
         g.grad_bias_16bit = reinterpret_cast<T*>(c.grad_bias);
       }
     }
-    const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning);
+    const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning, c.workspace ? &memory : nullptr,
+                                      c.defer_weight_finish ? &deferred : nullptr);
     if (want_weight && f32 && ld_h != H)
       SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4,
                                          H * 4, V, cudaMemcpyDeviceToDevice, stream));
     result.forward = forward_outputs(targets, dp.targets, stats);
   });
-  result.workspace_bytes = runner.last_report().workspace_bytes;
-  result.extra_device_bytes += runner.last_report().accumulator_bytes;
+  // What the backend held beside the caller's buffers: nothing of the plan's when the call ran in its workspace.
+  if (!c.workspace) {
+    result.workspace_bytes = runner.last_report().workspace_bytes;
+    result.extra_device_bytes += runner.last_report().accumulator_bytes;
+  }
   result.plan = runner.last_report().to_string();
+  const bool deferred_weight = runner.last_report().deferred_weight;
+  if (deferred_weight) result.plan += ", the last weight GEMM deferred";
 
-  // The caller's later work waits for the outputs; the temporaries are freed only after the runner's stream is
-  // done with them.
+  // The caller's later work waits for the outputs (and the scan); the temporaries are freed only after the runner's
+  // stream is done with them.
+  if (scan) scan->join(stream);
   SIMPO_CUDA_CHECK(cudaEventRecord(order.done, stream));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (scan) scan->check();
+  if (deferred_weight)
+    result.pending.state = std::make_shared<PendingWeightGradient::State>(
+        PendingWeightGradient::State{.device = c.device, .chunk = deferred});
   return result;
+}
+
+DeviceWorkspace device_workspace(const DeviceCall& c) { return device_workspace(c, Tuning{}); }
+
+DeviceWorkspace device_workspace(const DeviceCall& c, const Tuning& tuning) {
+  if (!is_input_dtype(c.input_dtype) || !device_present()) return {};
+  const GradientOutputs outputs = gradient_outputs(c);
+  try {
+    validate_shape(c.shape);
+    SIMPO_CUDA_CHECK(cudaSetDevice(c.device));
+    const StepPlan plan = plan_step(c.shape, c.input_dtype, c.options, device_features(),
+                                    c.options.gradients ? &outputs : nullptr, tuning);
+    return {plan.caller_workspace_bytes(), plan.defers_weight_finish()};
+  } catch (const InputError&) {
+    return {};  // compute_on_device refuses the call, with the message
+  }
+}
+
+bool waiting(const PendingWeightGradient& pending) { return pending.state && !pending.state->finished; }
+
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
+  if (!pending.state)
+    throw InputError("finish_weight_gradient_on_device: nothing was deferred (the call ran its whole step: it did not "
+                     "ask for defer_weight_finish, or its plan keeps no bf16 hi/lo pair)");
+  PendingWeightGradient::State& state = *pending.state;
+  if (state.finished)
+    throw InputError("finish_weight_gradient_on_device: this grad_weight was finished already (a deferred GEMM takes "
+                     "its scale once; its operands are spent)");
+  const float s = static_cast<float>(scale);
+  if (!std::isfinite(scale) || !std::isfinite(s))
+    throw InputError("finish_weight_gradient_on_device: the scale must be finite in fp32, got " +
+                     std::to_string(scale));
+  SIMPO_CUDA_CHECK(cudaSetDevice(state.device));
+  state.finished = true;  // a failed launch leaves the pair half written: never run twice
+  accumulate_hilo_chunk(state.chunk, s, reinterpret_cast<cudaStream_t>(stream));
 }
 
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,

@@ -18,11 +18,18 @@ bool device_present();
 // on the device), the buffers the runner needs beyond the caller's (padded copies where H % 8 != 0 or a pointer is
 // not 16-byte aligned, fp32 accumulators), the runner (one per thread and device, kept between calls), and stream
 // order: the runner's stream waits for the caller's before reading, and the caller's waits for the runner's before
-// anything reads the outputs, so the call is ordered as if it ran on the caller's stream. Throws InputError for bad
-// input, a budget too small for one row, or device memory exhausted (naming the bytes); CudaError for any other
-// CUDA, cuBLAS or cuBLASLt failure, with the library's message.
+// anything reads the outputs, so the call is ordered as if it ran on the caller's stream. The NaN/Inf scan runs
+// beside the step on a stream of its own and is read at the call's one final synchronization: a non-finite input is
+// the InputError it names, thrown after the step ran (the output buffers then hold unspecified values). Throws
+// InputError for bad input, a budget too small for one row, or device memory exhausted (naming the bytes);
+// CudaError for any other CUDA, cuBLAS or cuBLASLt failure, with the library's message.
 DeviceResult compute_on_device(const DeviceCall&);
 DeviceResult compute_on_device(const DeviceCall&, const Tuning&);
+// fused.h's device_workspace, PendingWeightGradient::waiting and finish_weight_gradient_on_device.
+DeviceWorkspace device_workspace(const DeviceCall&);
+DeviceWorkspace device_workspace(const DeviceCall&, const Tuning&);
+bool waiting(const PendingWeightGradient&);
+void finish_weight_gradient_on_device(const PendingWeightGradient&, double scale, std::uintptr_t stream);
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
                               std::uintptr_t out, int device, std::uintptr_t stream);
 

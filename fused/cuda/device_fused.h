@@ -6,6 +6,7 @@
 
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/gemm.h"
+#include "fused/cuda/kernels.h"
 #include "fused/cuda/plan.h"
 #include "fused/forward_outputs.h"
 #include "fused/fused.h"
@@ -63,13 +64,45 @@ struct DeviceGradientsOf {
 };
 using DeviceGradients = DeviceGradientsOf<__nv_bfloat16>;
 
-// What one run did: its plan (plan.h), and how many GEMMs cuBLASLt refused (they went to cublasGemmEx).
+// What one run did: its plan (plan.h), how many GEMMs cuBLASLt refused (they went to cublasGemmEx), and whether
+// it left its last chunk's weight gradient for later (FusedRunner::run's `deferred`).
 struct RunReport : StepPlan {
   int gemm_fallbacks = 0;
+  bool deferred_weight = false;
 };
 
 // What this build and the current device offer the plan.
 DeviceFeatures device_features();
+
+// One chunk's weight gradient into the bf16 hi/lo pair (hilo_gemm.h): the GEMM over the whole groups of 8 rows of
+// W, hilo_tail_kernel over the last V % 8, then the one-hot target term, per target once (launch_target_rows), each
+// step scaled by `scale` (accumulate_hilo_chunk). What a chunk's backward runs with scale 1, and what a deferred
+// finish runs with the loss scale.
+struct HiLoChunk {
+  std::int64_t rows = 0, V = 0, H = 0;
+  const __nv_bfloat16* dz = nullptr;  // [rows, ld_dz]
+  std::int64_t ld_dz = 0;
+  const __nv_bfloat16* x = nullptr;  // the chunk's x rows, [rows, ld_x] in chunk order
+  std::int64_t ld_x = 0;
+  // The target term's rows: x rows `target_x` [.., ld_x] (the inputs' x with the chunk's global rows, or the chunk's
+  // own rows with rows 0..rows-1), their targets and coefficients k (1 - p_t) indexed alike.
+  const __nv_bfloat16* target_x = nullptr;
+  ChunkRows target_rows;
+  const std::int64_t* target = nullptr;
+  const float* target_coef = nullptr;
+  __nv_bfloat16 *hi = nullptr, *lo = nullptr;  // [V, H]
+  bool overwrite = false;                      // the step's first weight GEMM: the pair is written, not read
+  void* gemm_scratch = nullptr;
+  std::size_t gemm_scratch_bytes = 0;
+};
+void accumulate_hilo_chunk(const HiLoChunk&, float scale, cudaStream_t);
+
+// Caller-owned memory for a run (fused.h: DeviceCall::workspace): the plan's workspace, then its accumulator from
+// StepPlan::accumulator_offset(); at least StepPlan::caller_workspace_bytes(), 256-byte aligned.
+struct CallerMemory {
+  char* base = nullptr;
+  std::int64_t bytes = 0;
+};
 
 // Runs plans on one stream. Owns the stream, the cuBLAS handles and the workspace, and can be reused across
 // calls of any size (the handles are made once; the workspace is reallocated when the plan's size changes).
@@ -85,9 +118,14 @@ class FusedRunner {
   // Plans the step (plan_step) and enqueues it on stream() (gradients == nullptr: forward only), then waits once,
   // at the end, for the N rows' statistics. Throws InputError when options.workspace_bytes cannot hold one row.
   // T: __nv_bfloat16, __half or float (explicit instantiations in fused_runner.cu).
+  // memory: the run's scratch and accumulator there instead of the runner's own (which is freed: the two are never
+  // held at once); InputError when it is smaller than the plan's caller_workspace_bytes(). deferred (with memory,
+  // where the plan's defers_weight_finish()): the last chunk's weight gradient is not run but described there, its
+  // operands gathered into `memory` (its dz and x rows where they are, its targets and coefficients in
+  // Layout::deferred_targets); last_report().deferred_weight says whether it was.
   template <class T>
   RowStats run(const DeviceProblemOf<T>&, const std::type_identity_t<DeviceGradientsOf<T>>* gradients, const Options&,
-               const Tuning& = {});
+               const Tuning& = {}, const CallerMemory* memory = nullptr, HiLoChunk* deferred = nullptr);
 
   const RunReport& last_report() const { return report_; }
 
@@ -98,6 +136,7 @@ class FusedRunner {
 
  private:
   char* allocate_workspace(const Layout&, std::int64_t total);
+  void bind_gemm_scratch(void* scratch, std::int64_t bytes);
   void* allocate_accumulator(std::size_t bytes, const char* purpose);
   RowStats download_row_stats(std::int64_t N, const float* lse, const float* z_target, const double* rowsum);
 
@@ -123,3 +162,11 @@ struct DeviceInputs {
 DeviceInputs upload_inputs(const Problem&, cudaStream_t stream);
 
 }  // namespace simpo::fused::cuda
+
+// fused.h's pending weight gradient: the last chunk's weight GEMM of a deferred call, its operands in the call's
+// workspace, on `device`; `finished` once finish_weight_gradient_on_device has enqueued it.
+struct simpo::fused::PendingWeightGradient::State {
+  int device = 0;
+  cuda::HiLoChunk chunk;
+  bool finished = false;
+};

@@ -33,6 +33,17 @@ DeviceFeatures device_features() {
   return DeviceFeatures{.sm90_kernels = promoted_logits_available()};
 }
 
+// The GEMM over whole groups of 8 rows of W (TMA along V), hilo_tail_kernel over the last V % 8, then the target
+// term, per target once, after both (each reads and writes the pair).
+void accumulate_hilo_chunk(const HiLoChunk& c, float scale, cudaStream_t stream) {
+  const std::int64_t V8 = c.V / 8 * 8;
+  hilo_accumulate_grad_weight(c.rows, V8, c.H, c.dz, c.ld_dz, c.x, c.ld_x, c.hi, c.lo, c.H, c.overwrite, scale, stream,
+                              c.gemm_scratch, c.gemm_scratch_bytes);
+  launch_hilo_tail(c.rows, V8, c.V, c.H, c.dz, c.ld_dz, c.x, c.ld_x, c.hi, c.lo, c.H, c.overwrite, scale, stream);
+  launch_target_rows(c.target_x, c.ld_x, c.H, c.target_rows, c.target, c.target_coef,
+                     TargetRowsSink{.hi = c.hi, .lo = c.lo, .ld_w = c.H, .scale = scale}, stream);
+}
+
 namespace {
 
 template <class T>
@@ -89,13 +100,14 @@ CoefficientParams coefficient_params(const DeviceProblemOf<T>& p, const RowArray
 // The chunked step (three_pass, two_pass, forward_only): the stages walk() calls. A chunk's parts are stacked in
 // its buffers: part i starts at buffer row `offset`. T is the inputs' element type; the sm_90a kernels (promoted
 // logits and their epilogues, the hi/lo pair) are bf16's, and the plan chooses them for bf16 alone.
+// `deferred` (the hi/lo pair only): the last chunk's weight gradient is described there instead of run.
 template <class T>
 class ChunkedStep {
   static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
 
  public:
   ChunkedStep(const DeviceProblemOf<T>& p, const DeviceGradientsOf<T>* g, const StepPlan& plan, char* base, Gemms& gemms,
-              void* accumulator, cudaStream_t stream)
+              void* accumulator, cudaStream_t stream, HiLoChunk* deferred)
       : p_(p),
         g_(g),
         plan_(plan),
@@ -115,7 +127,9 @@ class ChunkedStep {
         x_rows_(at<T>(base, l_.x_rows)),
         tile_max_(at<float>(base, l_.tile_max)),
         tile_sum_exp_(at<float>(base, l_.tile_sum_exp)),
-        tile_sum_(at<double>(base, l_.tile_sum)) {
+        tile_sum_(at<double>(base, l_.tile_sum)),
+        deferred_targets_(at<std::int64_t>(base, l_.deferred_targets)),
+        deferred_(deferred) {
     if (g) {
       switch (plan.grad_weight) {
         case StepPlan::GradWeight::f32_output:
@@ -184,6 +198,7 @@ class ChunkedStep {
   void backward(const Chunk& c) {
     const std::int64_t V = p_.shape.V, H = p_.shape.H, ld_h = p_.ld_h, rows = c.rows();
     const bool weight_gradient = plan_.grad_weight != StepPlan::GradWeight::none;
+    const bool last = ++backward_chunks_ == plan_.schedule.chunks.size();
     const T* x_chunk = x_chunk_ != nullptr ? x_chunk_ : weight_gradient ? gather_x(c) : nullptr;
     x_chunk_ = nullptr;
     const CoefficientParams coefficients = coefficient_params(p_, rows_);
@@ -224,27 +239,54 @@ class ChunkedStep {
     }
     if constexpr (kBf16) {
       if (hi_) {
-        // The GEMM takes whole groups of 8 rows of W (TMA along V); the last V % 8 a plain kernel. Then the target
-        // term, per target once, after both (each reads and writes the pair).
-        const std::int64_t V8 = V / 8 * 8;
-        hilo_accumulate_grad_weight(rows, V8, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_,
-                                    stream_, gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
-        launch_hilo_tail(rows, V8, V, H, dz_, ld_dz_, x_chunk, ld_h, hi_, lo_, H, first_weight_gemm_, stream_);
+        HiLoChunk chunk{.rows = rows, .V = V, .H = H, .dz = dz_, .ld_dz = ld_dz_, .x = x_chunk, .ld_x = ld_h,
+                        .target_x = p_.x, .target_rows = chunk_rows, .target = p_.target,
+                        .target_coef = rows_.target_coef, .hi = hi_, .lo = lo_, .overwrite = first_weight_gemm_,
+                        .gemm_scratch = gemm_scratch_, .gemm_scratch_bytes = static_cast<std::size_t>(l_.gemm_bytes)};
+        if (last && deferred_) defer(c, chunk, *deferred_);
+        else accumulate_hilo_chunk(chunk, 1.0f, stream_);
       }
     }
     if (!hi_) {
       gemms_.accumulate_grad_weight(rows, V, ld_h, dz_, ld_dz_, x_chunk, grad_weight_f32_,
                                     /*overwrite=*/first_weight_gemm_, alpha);
+      // The one-hot term, per target once, after the GEMM (each reads and writes the accumulator's row).
+      launch_target_rows(p_.x, ld_h, H, chunk_rows, p_.target, rows_.target_coef,
+                         TargetRowsSink{.f32 = grad_weight_f32_, .ld_w = ld_h}, stream_);
     }
-    // The one-hot term, per target once, after the GEMM (each reads and writes the accumulator's row).
-    launch_target_rows(p_.x, ld_h, H, chunk_rows, p_.target, rows_.target_coef,
-                       hi_ ? TargetRowsSink{.hi = hi_, .lo = lo_, .ld_w = H}
-                           : TargetRowsSink{.f32 = grad_weight_f32_, .ld_w = ld_h},
-                       stream_);
     first_weight_gemm_ = false;
     if (g_->grad_bias)
       launch_bias_column_sums(dz_, ld_dz_, chunk_rows, V, 0, p_.target, rows_.target_coef, g_->grad_bias, stream_,
                               coefficients.dz_scale);
+  }
+
+  // The last chunk's weight gradient left for a finish (fused.h: DeviceCall::defer_weight_finish), with operands
+  // that no later call reads from the inputs: its dz stays where it is (the kept logits' bytes), its x rows are
+  // the gathered ones (a chunk of one part is copied there), and its targets and coefficients, in chunk order, go
+  // to Layout::deferred_targets (grad_x's bytes, free once this chunk's grad_x is finished: ordered on the stream
+  // after grad_x_finish_kernel read them). Indexed 0..rows-1 in chunk order, the target term sums the same products
+  // in the same order as with the inputs' rows, so its bits do not change.
+  void defer(const Chunk& c, HiLoChunk chunk, HiLoChunk& out) {
+    const std::int64_t rows = c.rows(), ld_h = p_.ld_h;
+    if (chunk.x != x_rows_) {
+      SIMPO_CUDA_CHECK(cudaMemcpyAsync(x_rows_, chunk.x, rows * ld_h * sizeof(T), cudaMemcpyDeviceToDevice, stream_));
+      chunk.x = x_rows_;
+    }
+    auto* coef = reinterpret_cast<float*>(deferred_targets_ + rows);
+    std::int64_t offset = 0;
+    for (int i = 0; i < c.part_count; ++i) {
+      const RowRange& part = c.parts[i];
+      SIMPO_CUDA_CHECK(cudaMemcpyAsync(deferred_targets_ + offset, p_.target + part.begin, part.rows() * 8,
+                                       cudaMemcpyDeviceToDevice, stream_));
+      SIMPO_CUDA_CHECK(cudaMemcpyAsync(coef + offset, rows_.target_coef + part.begin, part.rows() * 4,
+                                       cudaMemcpyDeviceToDevice, stream_));
+      offset += part.rows();
+    }
+    chunk.target_x = x_rows_;
+    chunk.target_rows = ChunkRows{.begin = {0, 0}, .rows = {rows, 0}};
+    chunk.target = deferred_targets_;
+    chunk.target_coef = coef;
+    out = chunk;
   }
 
   LogitRowsOf<T> part_logits(const RowRange& part, std::int64_t offset) const {
@@ -298,38 +340,55 @@ class ChunkedStep {
       }
       return;
     }
-    if constexpr (kBf16) logits_from_epilogue(c, with_stats, store && distances);
+    if constexpr (kBf16) logits_from_epilogue(c, with_stats, store && distances, x_chunk);
   }
 
-  // The promoted GEMM with the statistics (and, with `distances`, the stored distances) in its epilogue.
-  void logits_from_epilogue(const Chunk& c, bool with_stats, bool distances) {
+  // The promoted GEMM with the statistics (and, with `distances`, the stored distances) in its epilogue: one GEMM
+  // over the chunk's rows where they are contiguous or gathered (x_chunk; LogitTileStats::split maps its second
+  // part's rows), else one per part. Then each part's tile partials are merged into its rows' statistics.
+  void logits_from_epilogue(const Chunk& c, bool with_stats, bool distances, const T* x_chunk) {
     const std::int64_t V = p_.shape.V, ld_h = p_.ld_h;
-    std::int64_t offset = 0;
-    for (int i = 0; i < c.part_count; ++i) {
-      const RowRange& part = c.parts[i];
-      const __nv_bfloat16* x_part = p_.x + part.begin * ld_h;
+    auto gemm = [&](const __nv_bfloat16* x, std::int64_t rows, std::int64_t offset, std::int64_t begin,
+                    std::int64_t split, std::int64_t second) {
       LogitTileStats out;
       out.bias = p_.bias;
-      out.target = p_.target + part.begin;
+      out.target = p_.target + begin;
       out.ignore_index = p_.hp.ignore_index;
       out.ld = l_.tile_ld;
       out.tile_max = tile_max_ + offset;
       out.tile_sum_exp = tile_sum_exp_ + offset;
       out.tile_sum = tile_sum_ + offset;
-      out.z_target = rows_.z_target_raw + part.begin;
+      out.z_target = rows_.z_target_raw + begin;
+      out.split = split;
+      out.second = second;
       if (distances)
-        promoted_logits_distances(part.rows(), V, ld_h, x_part, p_.weight, distances_ + offset * ld_v_, ld_v_,
+        promoted_logits_distances(rows, V, ld_h, x, p_.weight, distances_ + offset * ld_v_, ld_v_,
                                   plan_.logits.promotion_k, out, stream_, gemm_scratch_,
                                   static_cast<std::size_t>(l_.gemm_bytes));
       else
-        promoted_logits_stats(part.rows(), V, ld_h, x_part, p_.weight, nullptr, ld_v_, plan_.logits.promotion_k, out,
-                              stream_, gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
-      if (with_stats) {
-        const TileStatsRows tiles{tile_max_ + offset, tile_sum_exp_ + offset, tile_sum_ + offset, l_.tile_ld,
-                                  statistics_tiles(V), part.rows(), part.begin, rows_.z_target_raw, p_.target,
-                                  p_.hp.ignore_index};
-        launch_merge_tile_stats(tiles, rows_.row_max, rows_.lse, rows_.z_target, rows_.rowsum, stream_);
+        promoted_logits_stats(rows, V, ld_h, x, p_.weight, nullptr, ld_v_, plan_.logits.promotion_k, out, stream_,
+                              gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
+    };
+    const RowRange& first = c.parts[0];
+    if (c.part_count == 1) {
+      gemm(p_.x + first.begin * ld_h, first.rows(), 0, first.begin, INT64_MAX, 0);
+    } else if (x_chunk != nullptr) {
+      gemm(x_chunk, c.rows(), 0, first.begin, first.rows(), c.parts[1].begin - first.begin - first.rows());
+    } else {
+      std::int64_t offset = 0;
+      for (int i = 0; i < c.part_count; ++i) {
+        gemm(p_.x + c.parts[i].begin * ld_h, c.parts[i].rows(), offset, c.parts[i].begin, INT64_MAX, 0);
+        offset += c.parts[i].rows();
       }
+    }
+    if (!with_stats) return;
+    std::int64_t offset = 0;
+    for (int i = 0; i < c.part_count; ++i) {
+      const RowRange& part = c.parts[i];
+      const TileStatsRows tiles{tile_max_ + offset, tile_sum_exp_ + offset, tile_sum_ + offset, l_.tile_ld,
+                                statistics_tiles(V), part.rows(), part.begin, rows_.z_target_raw, p_.target,
+                                p_.hp.ignore_index};
+      launch_merge_tile_stats(tiles, rows_.row_max, rows_.lse, rows_.z_target, rows_.rowsum, stream_);
       offset += part.rows();
     }
   }
@@ -352,9 +411,12 @@ class ChunkedStep {
   float *tile_max_, *tile_sum_exp_;
   double* tile_sum_;
   float* grad_weight_f32_ = nullptr;
+  std::int64_t* deferred_targets_;  // [rows] int64, then [rows] fp32 (Layout::deferred_targets)
+  HiLoChunk* deferred_;
   __nv_bfloat16 *hi_ = nullptr, *lo_ = nullptr;
   const T* x_chunk_ = nullptr;  // the kept chunk's gathered x rows, from forward to backward
   bool first_weight_gemm_ = true;
+  std::size_t backward_chunks_ = 0;
 };
 
 // The low-memory schedule (README "The low-memory schedule"). Three steps:
@@ -486,12 +548,16 @@ char* FusedRunner::allocate_workspace(const Layout& layout, std::int64_t total) 
   if (!gemms_ || workspace_.bytes() != static_cast<std::size_t>(total) || layout.gemm_bytes != gemm_bytes_) {
     workspace_ = DeviceBuffer();  // free the old one first: peak memory is one workspace, never two
     workspace_ = DeviceBuffer(static_cast<std::size_t>(total), "the fused workspace", stream_);
-    void* gemm_scratch = workspace_.as<char>() + layout.gemm;
-    if (gemms_) gemms_->set_workspace(gemm_scratch, static_cast<std::size_t>(layout.gemm_bytes));
-    else gemms_ = std::make_unique<Gemms>(stream_, gemm_scratch, static_cast<std::size_t>(layout.gemm_bytes));
-    gemm_bytes_ = layout.gemm_bytes;
+    bind_gemm_scratch(workspace_.as<char>() + layout.gemm, layout.gemm_bytes);
   }
   return workspace_.as<char>();
+}
+
+// cuBLASLt's scratch for the next GEMMs: in the runner's workspace or a caller's (the handles are made once).
+void FusedRunner::bind_gemm_scratch(void* scratch, std::int64_t bytes) {
+  if (gemms_) gemms_->set_workspace(scratch, static_cast<std::size_t>(bytes));
+  else gemms_ = std::make_unique<Gemms>(stream_, scratch, static_cast<std::size_t>(bytes));
+  gemm_bytes_ = bytes;
 }
 
 // The runner's own buffer for an accumulator, kept across runs of the same size.
@@ -516,7 +582,8 @@ RowStats FusedRunner::download_row_stats(std::int64_t N, const float* lse, const
 
 template <class T>
 RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_t<DeviceGradientsOf<T>>* g,
-                          const Options& options, const Tuning& tuning) {
+                          const Options& options, const Tuning& tuning, const CallerMemory* memory,
+                          HiLoChunk* deferred) {
   if (p.ld_h != padded(p.shape.H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
   if (g && !g->grad_x && !g->grad_weight_16bit && !g->grad_weight)
     throw CudaError("DeviceGradients: no gradient output is set (forward only: pass no DeviceGradients)");
@@ -527,17 +594,33 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
   report_ = RunReport{plan_step(p.shape, dtype_of<T>(), options, device_features(), g ? &outputs : nullptr, tuning)};
   const StepPlan& plan = report_;
 
-  void* accumulator = plan.accumulator_bytes > 0
-                          ? allocate_accumulator(static_cast<std::size_t>(plan.accumulator_bytes),
-                                                 accumulator_purpose(plan.grad_weight))
-                          : nullptr;
-  char* base = allocate_workspace(plan.layout, plan.workspace_bytes);
+  if (deferred && !memory)
+    throw CudaError("FusedRunner::run: a deferred weight gradient needs caller memory (its operands outlive the run)");
+  void* accumulator = nullptr;
+  char* base = nullptr;
+  if (memory) {
+    if (memory->bytes < plan.caller_workspace_bytes())
+      throw InputError("cuda backend: the caller's workspace of " + std::to_string(memory->bytes) + " bytes is too "
+                       "small for " + plan.to_string() + ": it needs " + std::to_string(plan.caller_workspace_bytes()) +
+                       " (fused.h: device_workspace)");
+    workspace_ = DeviceBuffer();  // the runner's own goes back to the pool: never two workspaces at once
+    accumulator_ = DeviceBuffer();
+    base = memory->base;
+    if (plan.accumulator_bytes > 0) accumulator = base + plan.accumulator_offset();
+    bind_gemm_scratch(base + plan.layout.gemm, plan.layout.gemm_bytes);
+  } else {
+    accumulator = plan.accumulator_bytes > 0 ? allocate_accumulator(static_cast<std::size_t>(plan.accumulator_bytes),
+                                                                    accumulator_purpose(plan.grad_weight))
+                                             : nullptr;
+    base = allocate_workspace(plan.layout, plan.workspace_bytes);
+  }
   const RowArrays rows(base, plan.layout);
+  report_.deferred_weight = deferred != nullptr && plan.defers_weight_finish();
   if (plan.low_memory) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>)  // the plan picks it only where the promoted GEMM runs
       run_low_memory(p, *g, plan, base, *gemms_, static_cast<float*>(accumulator), stream_);
   } else {
-    ChunkedStep<T> step(p, g, plan, base, *gemms_, accumulator, stream_);
+    ChunkedStep<T> step(p, g, plan, base, *gemms_, accumulator, stream_, report_.deferred_weight ? deferred : nullptr);
     step.prologue();
     walk(plan.schedule, p.shape, step.stages());
     step.epilogue();
@@ -547,10 +630,10 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
 
 template RowStats FusedRunner::run<__nv_bfloat16>(const DeviceProblemOf<__nv_bfloat16>&,
                                                   const DeviceGradientsOf<__nv_bfloat16>*, const Options&,
-                                                  const Tuning&);
+                                                  const Tuning&, const CallerMemory*, HiLoChunk*);
 template RowStats FusedRunner::run<__half>(const DeviceProblemOf<__half>&, const DeviceGradientsOf<__half>*,
-                                           const Options&, const Tuning&);
+                                           const Options&, const Tuning&, const CallerMemory*, HiLoChunk*);
 template RowStats FusedRunner::run<float>(const DeviceProblemOf<float>&, const DeviceGradientsOf<float>*,
-                                          const Options&, const Tuning&);
+                                          const Options&, const Tuning&, const CallerMemory*, HiLoChunk*);
 
 }  // namespace simpo::fused::cuda

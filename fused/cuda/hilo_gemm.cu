@@ -4,7 +4,8 @@
 // chunk's rows (the truncation bias of a 2048-long accumulation, ~1e-6 relative, is far under the bf16 output's
 // 2^-9). Epilogue, stock visitor nodes only:
 //
-//   s  = beta * C + (acc + aux_load(hi))        Sm90EVT<multiply_add, ScalarBroadcast, SrcFetch, EVT<plus, Acc, AuxLoad>>
+//   t  = beta * C + (acc + aux_load(hi))        Sm90EVT<multiply_add, ScalarBroadcast, SrcFetch, EVT<plus, Acc, AuxLoad>>
+//   s  = scale * t                              Sm90EVT<multiplies, ScalarBroadcast, ...> (scale 1: s = t exactly)
 //   hi = aux_store(bf16(s))                     Sm90AuxStore (round to nearest), passes s on unchanged
 //   D  = bf16(s - float(bf16(s)))               Sm90Compute<Residual>, D's store rounds to nearest
 //
@@ -15,6 +16,10 @@
 //
 // The first chunk (`overwrite`): beta = 0, which CUTLASS's multiply_add tree specialization reads as "C not
 // needed" (no C load), and a null aux pointer, which Sm90AuxLoad reads as zeros (no load): nothing is cleared.
+//
+// `scale` is 1 for every chunk of a step but the last one of a deferred finish (fused.h:
+// finish_weight_gradient_on_device), where it is the loss scale: one kernel for both, its product exact at 1, so a
+// finish at scale 1 writes the bits the step without deferral writes.
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/hilo_gemm.h"
 #include "fused/cuda/promoted_gemm.h"
@@ -86,8 +91,10 @@ struct HiLoGemm {
                                     HiLoad>;
   using Sum = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float, kRound>,
                               fusion::Sm90ScalarBroadcast<float>, fusion::Sm90SrcFetch<Element>, AccPlusHi>;
+  using Scaled = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,
+                                 fusion::Sm90ScalarBroadcast<float>, Sum>;
   using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<Residual, Element, float, kRound>,
-                                    fusion::Sm90EVT<HiStore, Sum>>;
+                                    fusion::Sm90EVT<HiStore, Scaled>>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -109,7 +116,7 @@ struct HiLoGemm {
   static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t M, std::int64_t N,
                                             const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x,
                                             std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo,
-                                            std::int64_t ld_w, bool overwrite) {
+                                            std::int64_t ld_w, bool overwrite, float scale) {
     typename Mainloop::StrideA stride_a{Int<1>{}, ld_dz, 0};
     typename Mainloop::StrideB stride_b{Int<1>{}, ld_x, 0};
     StrideW stride_w{ld_w, Int<1>{}, 0};
@@ -125,12 +132,15 @@ struct HiLoGemm {
     args.mainloop = {reinterpret_cast<const Element*>(dz), stride_a, reinterpret_cast<const Element*>(x), stride_b};
     // Callbacks' arguments nest as the tree: {children..., node}.
     typename Callbacks::Arguments thread{
-        {                                               // EVT<HiStore, Sum>
-         {                                              // Sum
-          {{overwrite ? 0.0f : 1.0f}},                  //   beta
-          {},                                           //   C = lo
-          {{}, {overwrite ? nullptr : hi_e, Element(0), stride_w}, {}},  // acc + hi (a null hi reads as 0)
-          {}},                                          //   multiply_add
+        {                                               // EVT<HiStore, Scaled>
+         {                                              // Scaled
+          {{scale}},                                    //   scale
+          {                                             //   Sum
+           {{overwrite ? 0.0f : 1.0f}},                 //     beta
+           {},                                          //     C = lo
+           {{}, {overwrite ? nullptr : hi_e, Element(0), stride_w}, {}},  // acc + hi (a null hi reads as 0)
+           {}},                                         //     multiply_add
+          {}},                                          //   multiplies
          {hi_e, stride_w}},                             // hi = bf16(s)
         {}};                                            // D = lo = s - hi
     args.epilogue.thread = thread;
@@ -144,8 +154,8 @@ struct HiLoGemm {
 
   static void run(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz, std::int64_t ld_dz,
                   const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
-                  bool overwrite, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
-    const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite);
+                  bool overwrite, float scale, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
+    const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, scale);
     Gemm gemm;
     if (Gemm::get_workspace_size(args) > workspace_bytes)
       throw CudaError("hi/lo weight GEMM: needs " + std::to_string(Gemm::get_workspace_size(args)) +
@@ -177,14 +187,14 @@ bool hilo_gemm_available() { return promoted_logits_available(); }
 
 void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
                                  std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
-                                 __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t stream,
+                                 __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, float scale, cudaStream_t stream,
                                  void* workspace, std::size_t workspace_bytes) {
   if (rows == 0 || M == 0 || N == 0) return;
   if (M % 8 != 0 || N % 8 != 0 || ld_dz % 8 != 0 || ld_x % 8 != 0 || ld_w % 8 != 0)
     throw CudaError("hi/lo weight GEMM: M=" + std::to_string(M) + " N=" + std::to_string(N) + " ld_dz=" +
                     std::to_string(ld_dz) + " ld_x=" + std::to_string(ld_x) + " ld_w=" + std::to_string(ld_w) +
                     " must all be multiples of 8 (16-byte TMA rows)");
-  Cooperative128x256::run(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, stream, workspace,
+  Cooperative128x256::run(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, scale, stream, workspace,
                           workspace_bytes);
 }
 
@@ -193,7 +203,7 @@ void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t
 bool hilo_gemm_available() { return false; }
 void hilo_accumulate_grad_weight(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, std::int64_t,
                                  const __nv_bfloat16*, std::int64_t, __nv_bfloat16*, __nv_bfloat16*, std::int64_t, bool,
-                                 cudaStream_t, void*, std::size_t) {
+                                 float, cudaStream_t, void*, std::size_t) {
   throw CudaError("hi/lo weight GEMM: not built (needs CUTLASS and an sm_90a target)");
 }
 

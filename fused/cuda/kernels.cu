@@ -325,9 +325,12 @@ __global__ void __launch_bounds__(kRowThreads) bias_column_sums_kernel(const T* 
 
 // ---- grad_W as a bf16 hi/lo pair (hilo_gemm.h) ----
 
-// s = hi + lo + add in fp32, then hi = bf16(s) and lo = bf16(s - hi): the same step as the hi/lo GEMM's epilogue.
-__device__ inline void hilo_add(__nv_bfloat16* hi, __nv_bfloat16* lo, float add, bool overwrite) {
-  const float s = overwrite ? add : (__bfloat162float(*hi) + __bfloat162float(*lo)) + add;
+// The pair's value hi + lo in fp32, and its store of a new sum s: hi = bf16(s), lo = bf16(s - hi), the same step as
+// the hi/lo GEMM's epilogue.
+__device__ inline float hilo_value(const __nv_bfloat16* hi, const __nv_bfloat16* lo) {
+  return __bfloat162float(*hi) + __bfloat162float(*lo);
+}
+__device__ inline void hilo_store(__nv_bfloat16* hi, __nv_bfloat16* lo, float s) {
   const __nv_bfloat16 h = __float2bfloat16_rn(s);
   *hi = h;
   *lo = __float2bfloat16_rn(s - __bfloat162float(h));
@@ -335,8 +338,8 @@ __device__ inline void hilo_add(__nv_bfloat16* hi, __nv_bfloat16* lo, float add,
 
 // One block per chunk row r with a nonzero target coefficient. The block of the first such row of each target t
 // (its leader; the others return) sums c[r'] x[r'] over every row r' of the chunk with target t, in chunk order
-// (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum into row t once: of the
-// hi/lo pair, or of an fp32 accumulator (`f32` not null).
+// (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum times `scale` into row t
+// once: of the hi/lo pair, or of an fp32 accumulator (`f32` not null).
 // Leaders of different targets write different rows: no atomics, and the result does not depend on timing.
 constexpr int kTargetColumns = 16;  // columns per thread and pass: H <= 4096 in one scan of the chunk's rows
 template <class T>
@@ -344,7 +347,7 @@ __global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, st
                                                                       std::int64_t H, ChunkRows c,
                                                                       const std::int64_t* target, const float* coef,
                                                                       __nv_bfloat16* hi, __nv_bfloat16* lo, float* f32,
-                                                                      std::int64_t ld_w) {
+                                                                      std::int64_t ld_w, float scale) {
   const std::int64_t n = c.rows[0] + c.rows[1], j = blockIdx.x, r = chunk_row(c, j);
   if (coef[r] == 0.0f) return;  // block-uniform
   const std::int64_t t = target[r];
@@ -396,24 +399,27 @@ __global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, st
     for (int q = 0; q < kTargetColumns; ++q) {
       const std::int64_t h = h0 + q * kRowThreads + threadIdx.x;
       if (h >= H) continue;
-      if (f32 != nullptr) f32[t * ld_w + h] += sum[q];
-      else hilo_add(hi + t * ld_w + h, lo + t * ld_w + h, sum[q], false);
+      const float add = sum[q] * scale;  // exact at scale 1
+      if (f32 != nullptr) f32[t * ld_w + h] += add;
+      else hilo_store(hi + t * ld_w + h, lo + t * ld_w + h, hilo_value(hi + t * ld_w + h, lo + t * ld_w + h) + add);
     }
   }
 }
 
 // Rows [v_begin, v_begin + gridDim.x) of dz^T x, which the hi/lo GEMM cannot take (the last V % 8: its TMA wants
-// whole 16-byte groups along V), summed in fp32 over the chunk's rows; block (v, 256 columns).
+// whole 16-byte groups along V), summed in fp32 over the chunk's rows and added into the pair, the total times
+// `scale` as the GEMM's epilogue does; block (v, 256 columns).
 __global__ void __launch_bounds__(kRowThreads) hilo_tail_kernel(std::int64_t rows, std::int64_t v_begin, std::int64_t H,
                                                                const __nv_bfloat16* dz, std::int64_t ld_dz,
                                                                const __nv_bfloat16* x, std::int64_t ld_x,
                                                                __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
-                                                               bool overwrite) {
+                                                               bool overwrite, float scale) {
   const std::int64_t v = v_begin + blockIdx.x, h = std::int64_t(blockIdx.y) * kRowThreads + threadIdx.x;
   if (h >= H) return;
   float sum = 0.0f;
   for (std::int64_t r = 0; r < rows; ++r) sum += __bfloat162float(dz[r * ld_dz + v]) * __bfloat162float(x[r * ld_x + h]);
-  hilo_add(hi + v * ld_w + h, lo + v * ld_w + h, sum, overwrite);
+  __nv_bfloat16 *hv = hi + v * ld_w + h, *lv = lo + v * ld_w + h;
+  hilo_store(hv, lv, scale * (overwrite ? sum : hilo_value(hv, lv) + sum));  // exact at scale 1
 }
 
 template <bool kVector, class T>
@@ -602,16 +608,18 @@ void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const Chu
   const std::int64_t n = rows.rows[0] + rows.rows[1];
   if (n == 0 || H == 0) return;
   target_rows_kernel<<<grid_rows(n), kRowThreads, 0, stream>>>(x, ld_x, H, rows, target, target_coef, sink.hi, sink.lo,
-                                                               sink.f32, sink.ld_w);
+                                                               sink.f32, sink.ld_w, sink.scale);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
 void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_end, std::int64_t H,
                       const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
-                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t stream) {
+                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, float scale,
+                      cudaStream_t stream) {
   if (rows == 0 || v_end <= v_begin || H == 0) return;
   const dim3 grid(static_cast<unsigned>(v_end - v_begin), static_cast<unsigned>((H + kRowThreads - 1) / kRowThreads));
-  hilo_tail_kernel<<<grid, kRowThreads, 0, stream>>>(rows, v_begin, H, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite);
+  hilo_tail_kernel<<<grid, kRowThreads, 0, stream>>>(rows, v_begin, H, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite,
+                                                     scale);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -144,11 +144,14 @@ void launch_bias_column_sums(const T* dz, std::int64_t ld_dz, const ChunkRows& r
                              float* grad_bias, cudaStream_t, float dz_scale = 1.0f);
 
 // Where the target term goes: the bf16 hi/lo pair (hilo_gemm.h; hi, lo [V, ld_w]) or an fp32 accumulator [V, ld_w].
+// Each target's sum is added times `scale` (1 but for a deferred finish's loss scale: fused.h,
+// finish_weight_gradient_on_device).
 struct TargetRowsSink {
   __nv_bfloat16* hi = nullptr;
   __nv_bfloat16* lo = nullptr;
   float* f32 = nullptr;
   std::int64_t ld_w = 0;
+  float scale = 1.0f;
 };
 // The target term grad_W[target[r]] += c[r] x[r] over the chunk's rows, summed per target in fp32 in chunk order
 // and added into the sink once per target (deterministic, no atomics). The bias's target term is
@@ -158,11 +161,13 @@ template <class T>
 void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const ChunkRows&,
                         const std::int64_t* target, const float* target_coef, const TargetRowsSink&, cudaStream_t);
 
-// hi/lo rows [v_begin, v_end) (+)= dz[rows, v]^T x[rows, H] in fp32 (overwrite: the first term): the last V % 8
-// rows of the weight gradient, which the hi/lo GEMM leaves (a handful of rows; a plain loop over the chunk's rows).
+// hi/lo rows [v_begin, v_end) = scale (hi + lo + dz[rows, v]^T x[rows, H]) in fp32 (overwrite: hi + lo not read):
+// the last V % 8 rows of the weight gradient, which the hi/lo GEMM leaves (a handful of rows; a plain loop over the
+// chunk's rows), scaled as the GEMM's epilogue scales (hilo_gemm.h).
 void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_end, std::int64_t H,
                       const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
-                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, cudaStream_t);
+                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, float scale,
+                      cudaStream_t);
 
 // out[r, c] = T(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] one (T = float: a copy), and
 // where lo is not null the residue lo[r, c] = T(in - T(in)).

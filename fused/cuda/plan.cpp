@@ -65,7 +65,8 @@ void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool grad
   l.logits = at;
   at += align_up(keeps_logits ? rows * ld_v * logit_bytes : 0);
   l.grad_x = at;
-  if (gradients) {  // tile_sum_exp and tile_sum inside grad_x's bytes (see Layout)
+  l.deferred_targets = at;
+  if (gradients) {  // tile_sum_exp and tile_sum inside grad_x's bytes (see Layout), and a deferred finish's targets
     l.tile_sum_exp = at;
     l.tile_sum = at + sum_exp_bytes;
     at += std::max(align_up(rows * ld_h * 4), sum_exp_bytes + sum_bytes);
@@ -282,8 +283,11 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
                                                                                                    : 0;
   plan.regions.push_back({"kept logits (dz in place)", layout.logits, kept_bytes, {}});
   if (gradients) {
-    plan.regions.push_back({"grad_x rows (tile partials but the max before it)", layout.grad_x,
-                            std::max(rows * ld_h * 4, tiles_kept * rows * 12), {}});
+    const std::string grad_x = "grad_x rows (tile partials but the max before it)";
+    plan.regions.push_back({grad_x, layout.grad_x, std::max(rows * ld_h * 4, tiles_kept * rows * 12), {}});
+    if (plan.defers_weight_finish())
+      plan.regions.push_back({"deferred weight finish: the last chunk's targets and coefficients",
+                              layout.deferred_targets, rows * 12, grad_x});
     plan.regions.push_back({"gathered x rows", layout.x_rows, rows * ld_h * element, {}});
     plan.regions.push_back({"tile max", layout.tile_max, tiles_kept * rows * 4, {}});
   } else {

@@ -61,6 +61,10 @@ struct Tuning {
 // the epilogue statistics' tile partials (16 bytes per row and tile; with gradients all but the max share grad_x's
 // bytes: they live only from the logits GEMM to their merge, before grad_x is written). Offsets from the
 // workspace's start, each 256-byte aligned.
+//
+// A deferred weight finish (fused.h: DeviceCall::defer_weight_finish) keeps the last chunk's dz (in the kept
+// logits' bytes), its x rows (gathered) and, in grad_x's bytes once that chunk's grad_x is finished, its targets
+// (int64) followed by their coefficients (fp32): `deferred_targets`, 12 bytes a row where grad_x has 4 ld_h.
 struct Layout {
   std::int64_t gemm = 0, gemm_bytes = 0;
   std::int64_t row_max = 0, lse = 0, z_target = 0, z_target_raw = 0, target_coef = 0, rowsum = 0, avg_grad = 0,
@@ -68,6 +72,7 @@ struct Layout {
   std::int64_t fixed = 0;    // bytes before the chunk buffers (and room to align them)
   std::int64_t per_row = 0;  // bytes per chunk row
   std::int64_t logits = 0, grad_x = 0, x_rows = 0, tile_max = 0, tile_sum_exp = 0, tile_sum = 0;
+  std::int64_t deferred_targets = 0;
   std::int64_t tile_ld = 0;  // rows of the tile partials' arrays (the largest chunk)
   std::int64_t total = 0;
 };
@@ -139,6 +144,14 @@ struct StepPlan {
 
   bool logit_distances() const { return kept == Kept::distances; }
   std::string to_string() const;  // the schedule and its forms, for logs, reports and errors
+
+  // The last chunk's weight GEMM can wait for the loss scale (fused.h: DeviceCall::defer_weight_finish): where
+  // grad_W accumulates in the hi/lo pair, whose last GEMM can take the scale in its epilogue.
+  bool defers_weight_finish() const { return grad_weight == GradWeight::hilo; }
+  // A caller-owned workspace (fused.h: DeviceCall::workspace) holds the workspace, then from accumulator_offset()
+  // the runner's accumulator: caller_workspace_bytes() in all.
+  std::int64_t accumulator_offset() const { return (workspace_bytes + 255) / 256 * 256; }
+  std::int64_t caller_workspace_bytes() const { return accumulator_offset() + accumulator_bytes; }
 };
 
 // The plan for a step over `shape` with inputs of dtype `input` (gradients: the outputs given, nullptr: forward

@@ -84,13 +84,15 @@ struct StatsPass {
     auto inside = [&](int c, int g, int mn) { return !kMask || column_of(c, g, mn) < static_cast<int>(N); };
 
     int row[kRows];
+    std::int64_t at[kRows];  // the row's index in target and z_target (LogitTileStats::split)
     std::int64_t target[kRows];
     float row_max[kRows], sum_exp[kRows], sum[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       row[i] = m0 + static_cast<int>(get<0>(coords(accumulator_at(i, 0, 0, 0))));
+      at[i] = row[i] + (row[i] >= stats.split ? stats.second : 0);
       // Loaded first: its latency hides behind the two passes.
-      target[i] = row[i] < static_cast<int>(M) ? stats.target[row[i]] : stats.ignore_index;
+      target[i] = row[i] < static_cast<int>(M) ? stats.target[at[i]] : stats.ignore_index;
       row_max[i] = -INFINITY;
       sum_exp[i] = sum[i] = 0.0f;
     }
@@ -129,7 +131,7 @@ struct StatsPass {
       const std::int64_t t = target[i];
       if (row[i] < static_cast<int>(M) && t != stats.ignore_index && t >= n0 && t < n0 + kTileN)
         for_each_accumulator(acc, [&](int j, int c, int g, int mn) {
-          if (j == i && column_of(c, g, mn) == t) stats.z_target[row[i]] = logit(i, c, g, mn);
+          if (j == i && column_of(c, g, mn) == t) stats.z_target[at[i]] = logit(i, c, g, mn);
         });
     }
     // Last, since the logits above read the accumulators. Columns past N are computed too; the store drops them.

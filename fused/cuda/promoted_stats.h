@@ -12,6 +12,7 @@
 #include "fused/cuda/plan.h"
 
 #include <cstddef>
+#include <climits>
 #include <cstdint>
 
 namespace simpo::fused::cuda {
@@ -27,6 +28,10 @@ struct LogitTileStats {
   float* tile_sum_exp = nullptr;         // [tiles, ld] sum of exp(z - tile_max)
   double* tile_sum = nullptr;            // [tiles, ld] sum of z
   float* z_target = nullptr;             // [rows] z at the target (bias added); untouched where ignored
+  // A GEMM over two row ranges stacked (a three_pass chunk's chosen and rejected rows, gathered): GEMM rows at or
+  // past `split` are `second` rows further on in target and z_target. One GEMM over the chunk instead of one per
+  // part: W streams through once per chunk, and the larger M fills the last wave better.
+  std::int64_t split = INT64_MAX, second = 0;
   bool valid() const {
     return target != nullptr && tile_max != nullptr && tile_sum_exp != nullptr && tile_sum != nullptr &&
            z_target != nullptr;

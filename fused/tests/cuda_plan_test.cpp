@@ -149,6 +149,59 @@ TEST(CudaPlan, ABudgetBelowOneRowIsAnInputErrorNamingTheBytes) {
   }
 }
 
+// A deferred weight finish (fused.h: DeviceCall::defer_weight_finish) where grad_W accumulates in the hi/lo pair,
+// and nowhere else: f16 and f32 inputs, a device without the sm_90a kernels, an fp32 output, H % 8 != 0, the
+// low-memory schedule, a frozen LM head and the forward keep the whole step. A caller's workspace holds the plan's
+// workspace, then the accumulator (lo of the pair, unless the caller gives it); the deferred targets and
+// coefficients (12 bytes a row) fit inside grad_x's bytes, which they share.
+TEST(CudaPlan, OnlyTheHiLoPairDefersItsLastWeightGemm) {
+  const StepPlan plan = plan_step(published, DType::BF16, Options{}, hopper, &bf16_output);
+  EXPECT_TRUE(plan.defers_weight_finish());
+  EXPECT_EQ(plan.accumulator_offset() % 256, 0);
+  EXPECT_GE(plan.accumulator_offset(), plan.workspace_bytes);
+  EXPECT_EQ(plan.caller_workspace_bytes(), plan.accumulator_offset() + published.V * published.H * 2);
+  const GradientOutputs with_lo{.grad_weight_16bit = true, .grad_weight_lo = true};
+  const StepPlan caller_lo = plan_step(published, DType::BF16, Options{}, hopper, &with_lo);
+  EXPECT_TRUE(caller_lo.defers_weight_finish());
+  EXPECT_EQ(caller_lo.caller_workspace_bytes(), caller_lo.accumulator_offset()) << "lo is the caller's own buffer";
+  const auto grad_x = std::find_if(plan.regions.begin(), plan.regions.end(),
+                                   [](const Region& r) { return r.name.starts_with("grad_x rows"); });
+  const auto targets = std::find_if(plan.regions.begin(), plan.regions.end(),
+                                    [](const Region& r) { return r.name.starts_with("deferred weight finish"); });
+  ASSERT_NE(grad_x, plan.regions.end());
+  ASSERT_NE(targets, plan.regions.end());
+  EXPECT_EQ(targets->shares_with, grad_x->name);
+  EXPECT_EQ(targets->bytes, plan.schedule.max_rows() * 12);
+  EXPECT_GE(targets->offset, grad_x->offset);
+  EXPECT_LE(targets->offset + targets->bytes, grad_x->offset + grad_x->bytes);
+
+  Options small;
+  small.workspace_bytes = min_workspace_bytes;
+  Options forward;
+  forward.gradients = false;
+  const GradientOutputs frozen_weight{.grad_x = true};
+  const struct {
+    const char* what;
+    StepPlan plan;
+  } whole_steps[] = {
+      {"f16 inputs", plan_step(published, DType::F16, Options{}, hopper, &bf16_output)},
+      {"f32 inputs", plan_step(published, DType::F32, Options{}, hopper, &f32_output)},
+      {"no sm_90a kernels", plan_step(published, DType::BF16, Options{}, other, &bf16_output)},
+      {"an fp32 output", plan_step(published, DType::BF16, Options{}, hopper, &f32_output)},
+      {"H % 8 != 0", plan_step({.B = 4, .T = 64, .H = 100, .V = 304}, DType::BF16, Options{}, hopper, &bf16_output)},
+      {"the low-memory schedule", plan_step(published, DType::BF16, small, hopper, &bf16_output)},
+      {"a frozen LM head", plan_step(published, DType::BF16, Options{}, hopper, &frozen_weight)},
+      {"the forward", plan_step(published, DType::BF16, forward, hopper, nullptr)},
+  };
+  for (const auto& [what, whole] : whole_steps) {
+    EXPECT_FALSE(whole.defers_weight_finish()) << what;
+    EXPECT_TRUE(std::none_of(whole.regions.begin(), whole.regions.end(),
+                             [](const Region& r) { return r.name.starts_with("deferred weight finish"); }))
+        << what;
+    EXPECT_EQ(whole.caller_workspace_bytes(), whole.accumulator_offset() + whole.accumulator_bytes) << what;
+  }
+}
+
 // Many shapes, budgets, devices and outputs: whatever the plan chooses stays inside the budget, holds each region
 // once and covers every row once.
 TEST(CudaPlan, EveryPlanFitsItsBudgetAndHoldsEachRegionOnce) {

@@ -10,8 +10,9 @@ from . import _core
 from ._arrays import InputError
 
 # Device memory the last call held outside torch's allocator (the runner's workspace, kept between calls, and
-# this call's fp32 accumulators / padded copies): the benchmark adds it to torch's peak.
-last_info = {"workspace_bytes": 0, "extra_device_bytes": 0}
+# this call's fp32 accumulators / padded copies; none of the plan's when the call ran in a workspace of torch's):
+# the benchmark adds it to torch's peak. And the plan that ran, for logs.
+last_info = {"workspace_bytes": 0, "extra_device_bytes": 0, "plan": ""}
 
 
 def _shape_error(a_name, a, b_name, b, what):
@@ -58,12 +59,15 @@ def check_tensors(x, weight, target, bias):
 
 
 def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_weight=True, residues=False,
-            grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0):
+            grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0, defer_weight=False):
     """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors.
 
     grad_x / grad_weight False: that gradient (grad_weight with grad_bias) is neither computed nor returned (a frozen
     input). residues: 16-bit gradients also get their rounding residues, in info["residues"] (same names), for
-    scale_gradient."""
+    scale_gradient. defer_weight: where the plan keeps grad_weight in the bf16 hi/lo pair, its last GEMM waits for
+    the loss scale (fused.h: DeviceCall::defer_weight_finish) in a workspace from torch's allocator:
+    info["deferred"] is then (pending, workspace) for finish_weight_gradient, grad_weight is not final until then
+    and gets no residue; elsewhere info["deferred"] is None and the call is the whole step."""
     import torch
 
     if not _core.has_device_entry():
@@ -87,32 +91,56 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     if want_weight:
         grad_w = torch.empty((V, H), dtype=gdtype, device=dev)
         grad_b = torch.empty((V,), dtype=gdtype, device=dev) if bias is not None else None
-    lo = {}
-    if residues and gradients:
-        for name, g in (("grad_x", grad_x), ("grad_weight", grad_w), ("grad_bias", grad_b)):
-            if g is not None and g.dtype != torch.float32:
-                lo[name] = torch.empty_like(g)
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    args = {
+        "B": B, "T": T, "H": H, "V": V, "dtype": _dtype_name(x),
+        "device": dev.index if dev.index is not None else torch.cuda.current_device(),
+        "x": ptr(x), "weight": ptr(weight), "bias": ptr(bias), "target": ptr(target),
+        "grad_x": ptr(grad_x), "grad_weight": ptr(grad_w), "grad_bias": ptr(grad_b), "metadata": meta,
+        "grad_x_lo": 0, "grad_weight_lo": 0, "grad_bias_lo": 0,
+        "gradients": gradients, "want_grad_x": want_x, "want_grad_weight": want_weight, "grad_f32": grad_f32,
+        "validate": validate, "workspace_bytes": workspace_bytes, "max_chunk_rows": max_chunk_rows,
+        "workspace": 0, "workspace_size": 0, "defer_weight_finish": False,
+    }
     with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        r = _core.compute_device({
-            "B": B, "T": T, "H": H, "V": V, "dtype": _dtype_name(x), "device": dev.index if dev.index is not None else torch.cuda.current_device(),
-            "stream": stream, "x": ptr(x), "weight": ptr(weight), "bias": ptr(bias), "target": ptr(target),
-            "grad_x": ptr(grad_x), "grad_weight": ptr(grad_w), "grad_bias": ptr(grad_b), "metadata": meta,
-            "grad_x_lo": ptr(lo.get("grad_x")), "grad_weight_lo": ptr(lo.get("grad_weight")),
-            "grad_bias_lo": ptr(lo.get("grad_bias")),
-            "gradients": gradients, "want_grad_x": want_x, "want_grad_weight": want_weight, "grad_f32": grad_f32,
-            "validate": validate,
-            "workspace_bytes": workspace_bytes, "max_chunk_rows": max_chunk_rows,
-        })
+        args["stream"] = torch.cuda.current_stream(dev).cuda_stream
+        # The deferred call's scratch, the pair's lo included, comes from torch's allocator and stays with its pending
+        # GEMM until the finish (the runner frees its own for the call: never both).
+        workspace = None
+        if defer_weight and want_weight:
+            need = _core.device_workspace(args)
+            if need["defers_weight_finish"]:
+                workspace = torch.empty(need["bytes"], dtype=torch.uint8, device=dev)
+                args.update(workspace=workspace.data_ptr(), workspace_size=need["bytes"], defer_weight_finish=True)
+        lo = {}
+        if residues and gradients:
+            for name, g in (("grad_x", grad_x), ("grad_weight", grad_w), ("grad_bias", grad_b)):
+                if g is not None and g.dtype != torch.float32 and not (name == "grad_weight" and workspace is not None):
+                    lo[name] = torch.empty_like(g)
+                    args[name + "_lo"] = lo[name].data_ptr()
+        r = _core.compute_device(args)
     from ._arrays import from_wire
 
     out = {name: from_wire(w, like=x) for name, w in r["outputs"].items()}
     for name, g in (("grad_x", grad_x), ("grad_weight", grad_w), ("grad_bias", grad_b)):
         if g is not None:
             out[name] = g
-    last_info.update(workspace_bytes=r["workspace_bytes"], extra_device_bytes=r["extra_device_bytes"])
-    return out, dict(last_info, residues=lo)
+    last_info.update(workspace_bytes=r["workspace_bytes"], extra_device_bytes=r["extra_device_bytes"], plan=r["plan"])
+    deferred = (r["pending"], workspace) if r["pending"] is not None else None
+    return out, dict(last_info, residues=lo, deferred=deferred)
+
+
+def finish_weight_gradient(pending, workspace, scale):
+    """The deferred grad_weight of compute(defer_weight=True) with the loss scale: T(scale (the step's sum)), one
+    rounding, in the grad_weight tensor compute returned, on the current stream of the workspace's device. Once per
+    pending (InputError after)."""
+    import torch
+
+    dev = workspace.device
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev)
+        _core.finish_weight_gradient(pending, float(scale), stream.cuda_stream)
+        workspace.record_stream(stream)  # the GEMM reads it on this stream: torch frees it only after
 
 
 def scale_gradient(hi, lo, scale):

@@ -3,7 +3,10 @@ outputs, the gradients of the inputs that require them, and their rounding resid
 giving every shape and dtype) and `simpo_verify::scale_gradient` (its backward). A compiled graph calls them as
 opaque nodes, so the host reads inside (the targets, grad_output) break no graph. simpo_verify.torch uses them
 while torch.compile traces; eager calls keep the autograd.Function, which returns the gradients themselves at
-grad_output 1 where an op must return new tensors.
+grad_output 1 where an op must return new tensors, and defers grad_weight's last GEMM to its backward. The op does
+not defer: an op's outputs are complete tensors when it returns (a deferred grad_weight is not final until the
+finish), so its backward scales the finished gradients with their residues (scale_gradient, [V, H] read and written
+once more at grad_output != 1).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def fused_linear_simpo_op(x: torch.Tensor, weight: torch.Tensor, target: torch.T
     _check_dtypes(x, weight, target, bias)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
     gradients = want_x or want_weight
-    out, residues = _run(x, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight, validate)
+    out, residues, _ = _run(x, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight, validate)
     wanted = {"grad_x": want_x, "grad_weight": want_weight, "grad_bias": want_weight and bias is not None}
     # A missing one is its own empty tensor: an op's outputs may not alias one another.
     grads = [out[n] if wanted[n] and n in out else x.new_empty(0) for n in _GRADIENTS]

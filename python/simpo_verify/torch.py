@@ -10,10 +10,13 @@ through the host (the targets, B*T int64, are read by the host for validation an
 tensors run the fused cpu backend. Gradients come from autograd: the forward computes them (3 GEMMs, as Liger
 does) for the inputs that require grad when grad mode is on: a frozen input (requires_grad False: a LoRA model's LM
 head, frozen hidden states) costs no gradient GEMM, and under torch.no_grad() or torch.inference_mode() the
-forward-only schedule runs (one GEMM). backward hands them over scaled by grad_output, which is SPEC's grad_scale:
-for grad_output == 1 (loss.backward()) as computed; for any other (gradient accumulation's loss / n, a loss weight,
-a sign) the forward kept each 16-bit gradient's rounding residue, and backward returns T(grad_output (hi + lo)),
-one rounding as if the step had run at that scale, with no second kernel run (CPU tensors recompute instead).
+forward-only schedule runs (one GEMM). backward hands them over scaled by grad_output, which is SPEC's grad_scale,
+one rounding as if the step had run at that scale, with no second kernel run. grad_weight of bf16 on the sm_90a
+kernels (the bf16 hi/lo pair) leaves its last chunk's GEMM to backward, which runs it with grad_output in its
+epilogue: a grad_output of 1/3 (gradient accumulation's loss / n) costs what 1 costs, where scaling the finished
+[V, H] gradient would read and write it once more; its workspace (that chunk's dz and x rows, the pair's lo) comes
+from torch's allocator and is held from forward to backward. The other 16-bit gradients keep their rounding residue
+and backward returns T(grad_output (hi + lo)) (N*H and V elements). CPU tensors recompute at grad_output != 1.
 
 Dtype policy: x, weight and bias share one dtype, torch.bfloat16, torch.float16 or torch.float32 (SPEC's input
 dtypes), computed in that dtype, never converted: bf16 on the sm_90a kernels, f16 on the tensor cores through
@@ -39,18 +42,20 @@ from ._arrays import InputError, metadata
 __all__ = ["FusedLinearSimPOLoss", "fused_linear_simpo", "InputError"]
 
 
-def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True, validate=True):
+def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True, validate=True,
+         defer_weight=False):
     """-> (dict of SPEC outputs as torch tensors on the inputs' device, dict of the 16-bit gradients' rounding
-    residues: cuda only, for backward's scale_gradient)."""
+    residues: cuda only, for backward's scale_gradient, and with defer_weight where the plan allows it the pending
+    grad_weight GEMM (pending, workspace) for _device.finish_weight_gradient, else None)."""
     if _input.is_cuda:
         out, info = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients, grad_x=grad_x,
                                     grad_weight=grad_weight, residues=gradients, validate=validate,
-                                    workspace_bytes=workspace_bytes)
-        return out, info["residues"]
+                                    workspace_bytes=workspace_bytes, defer_weight=defer_weight)
+        return out, info["residues"], info["deferred"]
     _device.check_tensors(_input, weight, target, bias)
     return _compute(_input.detach(), weight.detach(), target.detach(),
                     bias.detach() if bias is not None else None, impl="cpu", gradients=gradients,
-                    validate=validate, workspace_bytes=workspace_bytes, **hp), {}
+                    validate=validate, workspace_bytes=workspace_bytes, **hp), {}, None
 
 
 _AUX = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss", "chosen_rewards",
@@ -74,7 +79,8 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
         want_x = ctx.needs_input_grad[0]
         want_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
         gradients = want_x or want_weight
-        out, residues = _run(_input, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight, validate)
+        out, residues, ctx.deferred = _run(_input, weight, target, bias, hp, gradients, workspace_bytes, want_x,
+                                           want_weight, validate, defer_weight=want_weight)
         ctx.hp, ctx.workspace_bytes, ctx.validate = hp, workspace_bytes, validate
         ctx.has_bias = bias is not None
         if gradients:
@@ -89,18 +95,40 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, *_aux_grads):
         _input, weight, target, bias, grad_x, grad_weight, grad_bias, x_lo, w_lo, b_lo = ctx.saved_tensors
         scale = float(grad_loss)  # one scalar read; the forward already synchronized
-        if scale != 1.0 and _input.is_cuda:
+        deferred = ctx.deferred
+        if deferred is _FINISHED:
+            # A second backward through the graph (retain_graph): the deferred GEMM took the first one's scale into
+            # grad_weight, so the step runs again at this one (exact, slower).
+            grad_x, grad_weight, grad_bias = _rerun(ctx, _input, weight, target, bias, scale)
+        elif deferred is not None:
+            # grad_weight's last GEMM waited for this scale (SPEC's grad_scale = grad_output): T(scale sum) in place,
+            # one rounding, the same bits as the undeferred step at 1. grad_x and grad_bias from their residues.
+            ctx.deferred = _FINISHED
+            _device.finish_weight_gradient(*deferred, scale)
+            if scale != 1.0:
+                grad_x, grad_bias = (_device.scale_gradient(g, lo, scale) if g is not None else None
+                                     for g, lo in ((grad_x, x_lo), (grad_bias, b_lo)))
+        elif scale != 1.0 and _input.is_cuda:
             # SPEC's grad_scale = grad_output, from the kept rounding residues: T(scale (hi + lo)), one rounding,
             # no second kernel run (gradient accumulation's loss / n, a loss weight, a negative sign).
             grad_x, grad_weight, grad_bias = (_device.scale_gradient(g, lo, scale) if g is not None else None
                                               for g, lo in ((grad_x, x_lo), (grad_weight, w_lo), (grad_bias, b_lo)))
         elif scale != 1.0:  # the cpu backend keeps no residues: it recomputes with grad_scale (exact, slower)
-            hp = dict(ctx.hp)
-            hp["grad_scale"] = hp.get("grad_scale", 1.0) * scale
-            out, _ = _run(_input, weight, target, bias, hp, True, ctx.workspace_bytes, validate=ctx.validate)
-            grad_x, grad_weight, grad_bias = out["grad_x"], out["grad_weight"], out.get("grad_bias")
+            grad_x, grad_weight, grad_bias = _rerun(ctx, _input, weight, target, bias, scale)
         return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None, None,
                 grad_bias if ctx.has_bias and ctx.needs_input_grad[3] else None, None, None, None)
+
+
+# ctx.deferred once backward has run the deferred GEMM.
+_FINISHED = object()
+
+
+def _rerun(ctx, _input, weight, target, bias, scale):
+    """The gradients of the step run again with grad_scale times `scale`."""
+    hp = dict(ctx.hp)
+    hp["grad_scale"] = hp.get("grad_scale", 1.0) * scale
+    out, _, _ = _run(_input, weight, target, bias, hp, True, ctx.workspace_bytes, validate=ctx.validate)
+    return out["grad_x"], out["grad_weight"], out.get("grad_bias")
 
 
 def _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence):
@@ -129,7 +157,7 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
         # no_grad / inference_mode (an evaluation loop): the forward-only schedule, one GEMM instead of three,
         # whatever requires_grad says (autograd.Function.forward cannot see the caller's grad mode).
         _check_dtypes(_input, weight, target, bias)
-        out, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes, validate=validate)
+        out, _, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes, validate=validate)
         return out["loss"], tuple(out[k] for k in _AUX)
     loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes, validate)
     return loss, tuple(aux)

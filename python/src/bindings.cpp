@@ -425,6 +425,37 @@ simpo::fused::Options fused_options(const std::string& impl, bool gradients, boo
   return sv::fused_options(simpo::fused::backend_from_name(impl), run);
 }
 
+// A device call from the Python layer's dict (simpo_verify/_device.py: compute).
+simpo::fused::DeviceCall device_call_from(const nb::dict& args) {
+  simpo::fused::DeviceCall c;
+  c.shape = {nb::cast<std::int64_t>(args["B"]), nb::cast<std::int64_t>(args["T"]), nb::cast<std::int64_t>(args["H"]),
+             nb::cast<std::int64_t>(args["V"])};
+  c.hp = simpo::hyperparameters_from_metadata(nb::cast<std::map<std::string, std::string>>(args["metadata"]));
+  c.input_dtype = simpo::input_dtype_from_name(nb::cast<std::string>(args["dtype"]));
+  c.device = nb::cast<int>(args["device"]);
+  c.stream = nb::cast<std::uintptr_t>(args["stream"]);
+  c.x = nb::cast<std::uintptr_t>(args["x"]);
+  c.weight = nb::cast<std::uintptr_t>(args["weight"]);
+  c.bias = nb::cast<std::uintptr_t>(args["bias"]);
+  c.target = nb::cast<std::uintptr_t>(args["target"]);
+  c.grad_x = nb::cast<std::uintptr_t>(args["grad_x"]);
+  c.grad_weight = nb::cast<std::uintptr_t>(args["grad_weight"]);
+  c.grad_bias = nb::cast<std::uintptr_t>(args["grad_bias"]);
+  c.grad_x_lo = nb::cast<std::uintptr_t>(args["grad_x_lo"]);
+  c.grad_weight_lo = nb::cast<std::uintptr_t>(args["grad_weight_lo"]);
+  c.grad_bias_lo = nb::cast<std::uintptr_t>(args["grad_bias_lo"]);
+  c.options = fused_options("cuda", nb::cast<bool>(args["gradients"]), nb::cast<bool>(args["grad_f32"]),
+                            nb::cast<bool>(args["validate"]), nb::cast<std::int64_t>(args["workspace_bytes"]),
+                            nb::cast<std::int64_t>(args["max_chunk_rows"]));
+  c.options.grad_x = nb::cast<bool>(args["want_grad_x"]);
+  c.options.grad_weight = nb::cast<bool>(args["want_grad_weight"]);
+  c.keep_workspace = true;  // the torch module calls once per step
+  c.workspace = nb::cast<std::uintptr_t>(args["workspace"]);
+  c.workspace_size = nb::cast<std::int64_t>(args["workspace_size"]);
+  c.defer_weight_finish = nb::cast<bool>(args["defer_weight_finish"]);
+  return c;
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -491,29 +522,7 @@ NB_MODULE(_core, m) {
   // Inputs on a CUDA device (pointers from DLPack / torch): outputs written to caller-allocated device buffers
   // (gradients) and returned on the host (scalars, per-pair tensors). fused::compute_on_device (fused/fused.h) says what it checks.
   m.def("compute_device", [](const nb::dict& args) {
-    simpo::fused::DeviceCall c;
-    c.shape = {nb::cast<std::int64_t>(args["B"]), nb::cast<std::int64_t>(args["T"]), nb::cast<std::int64_t>(args["H"]),
-               nb::cast<std::int64_t>(args["V"])};
-    c.hp = simpo::hyperparameters_from_metadata(nb::cast<std::map<std::string, std::string>>(args["metadata"]));
-    c.input_dtype = simpo::input_dtype_from_name(nb::cast<std::string>(args["dtype"]));
-    c.device = nb::cast<int>(args["device"]);
-    c.stream = nb::cast<std::uintptr_t>(args["stream"]);
-    c.x = nb::cast<std::uintptr_t>(args["x"]);
-    c.weight = nb::cast<std::uintptr_t>(args["weight"]);
-    c.bias = nb::cast<std::uintptr_t>(args["bias"]);
-    c.target = nb::cast<std::uintptr_t>(args["target"]);
-    c.grad_x = nb::cast<std::uintptr_t>(args["grad_x"]);
-    c.grad_weight = nb::cast<std::uintptr_t>(args["grad_weight"]);
-    c.grad_bias = nb::cast<std::uintptr_t>(args["grad_bias"]);
-    c.grad_x_lo = nb::cast<std::uintptr_t>(args["grad_x_lo"]);
-    c.grad_weight_lo = nb::cast<std::uintptr_t>(args["grad_weight_lo"]);
-    c.grad_bias_lo = nb::cast<std::uintptr_t>(args["grad_bias_lo"]);
-    c.options = fused_options("cuda", nb::cast<bool>(args["gradients"]), nb::cast<bool>(args["grad_f32"]),
-                              nb::cast<bool>(args["validate"]), nb::cast<std::int64_t>(args["workspace_bytes"]),
-                              nb::cast<std::int64_t>(args["max_chunk_rows"]));
-    c.options.grad_x = nb::cast<bool>(args["want_grad_x"]);
-    c.options.grad_weight = nb::cast<bool>(args["want_grad_weight"]);
-    c.keep_workspace = true;  // the torch module calls once per step
+    const simpo::fused::DeviceCall c = device_call_from(args);
     simpo::fused::DeviceResult r;
     {
       nb::gil_scoped_release release;
@@ -524,8 +533,29 @@ NB_MODULE(_core, m) {
     d["workspace_bytes"] = r.workspace_bytes;
     d["extra_device_bytes"] = r.extra_device_bytes;
     d["plan"] = r.plan;
+    d["pending"] = r.pending.waiting() ? nb::cast(std::move(r.pending)) : nb::none();
     return d;
   }, "args"_a);
+
+  // The scratch a device call needs in a caller-owned workspace, and whether its grad_weight can be deferred
+  // (fused::device_workspace): {"bytes", "defers_weight_finish"}.
+  m.def("device_workspace", [](const nb::dict& args) {
+    const simpo::fused::DeviceCall c = device_call_from(args);
+    const simpo::fused::DeviceWorkspace w = simpo::fused::device_workspace(c);
+    nb::dict d;
+    d["bytes"] = w.bytes;
+    d["defers_weight_finish"] = w.defers_weight_finish;
+    return d;
+  }, "args"_a);
+
+  // A deferred call's last weight GEMM (fused::PendingWeightGradient), finished once with the loss scale.
+  nb::class_<simpo::fused::PendingWeightGradient>(m, "PendingWeightGradient")
+      .def_prop_ro("waiting", &simpo::fused::PendingWeightGradient::waiting);
+  m.def("finish_weight_gradient", [](const simpo::fused::PendingWeightGradient& pending, double scale,
+                                     std::uintptr_t stream) {
+    nb::gil_scoped_release release;
+    simpo::fused::finish_weight_gradient_on_device(pending, scale, stream);
+  }, "pending"_a, "scale"_a, "stream"_a);
 
   // A device gradient and its rounding residue scaled with one rounding (fused::scale_gradient_on_device).
   m.def("scale_gradient", [](const std::string& dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n,

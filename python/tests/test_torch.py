@@ -54,6 +54,39 @@ def test_grad_output_is_grad_scale(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_grad_output_scales_every_gradient_within_strict(device):
+    """grad_output s (gradient accumulation's loss / n, a loss weight, a sign): every gradient meets strict for SPEC's
+    grad_scale s. On CUDA bf16 with the hi/lo pair (sm_90a) grad_weight's last GEMM runs in backward with s in its
+    epilogue: at s = 1 the gradients are the whole step's (sv.compute) bit for bit. A second backward through the
+    same graph (retain_graph) runs the step again at its own grad_output."""
+    from simpo_verify import _device
+
+    x, w, t, b = make(device)
+    names = ["chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss",
+             "chosen_rewards", "rejected_rewards"]
+    inputs = {"x": x, "weight": w, "target": t, "bias": b, "beta": 0.2, "gamma": 0.3}
+    for scale in (1.0, 1 / 3, -0.25):
+        xg, wg, bg = (v.detach().clone().requires_grad_(True) for v in (x, w, b))
+        loss, aux = FusedLinearSimPOLoss(beta=0.2, gamma=0.3)(wg, xg, t, bg)
+        if device == "cuda" and torch.cuda.get_device_capability(x.device) == (9, 0):
+            assert "deferred" in _device.last_info["plan"], _device.last_info["plan"]
+        for second, s in ((False, scale), (True, 2.0)):
+            xg.grad = wg.grad = bg.grad = None
+            (loss * s).backward(retain_graph=not second)
+            candidate = dict(zip(names, (a.detach() for a in aux)), loss=loss.detach(), grad_x=xg.grad,
+                             grad_weight=wg.grad, grad_bias=bg.grad)
+            r = sv.check(dict(inputs, grad_scale=s), candidate)
+            assert r.passed, f"grad_output {s}{' (second backward)' if second else ''}:\n{r}"
+        if scale == 1.0 and device == "cuda":
+            xg.grad = wg.grad = bg.grad = None
+            loss, _ = FusedLinearSimPOLoss(beta=0.2, gamma=0.3)(wg, xg, t, bg)
+            loss.backward()
+            whole = sv.compute(x, w, t, b, beta=0.2, gamma=0.3)
+            for name, g in (("grad_x", xg.grad), ("grad_weight", wg.grad), ("grad_bias", bg.grad)):
+                assert torch.equal(g, whole[name]), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_runs_the_forward_only_schedule(device, monkeypatch):
     import simpo_verify.torch as svt
 

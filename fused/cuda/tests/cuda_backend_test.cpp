@@ -14,11 +14,14 @@
 #include "fused/tests/backend_suite.h"
 #include "problem/generate.h"
 #include "reference/reference.h"
+#include "verifier/error_model.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -298,8 +301,8 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
       ASSERT_EQ(cudaMemcpy(dz_d.get(), dz.data(), dz.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(x_d.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       cuda::hilo_accumulate_grad_weight(K, M, N, dz_d.as<__nv_bfloat16>(), ld_dz, x_d.as<__nv_bfloat16>(), N,
-                                        hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), N, /*overwrite=*/i == 0, stream,
-                                        scratch.get(), scratch.bytes());
+                                        hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), N, /*overwrite=*/i == 0,
+                                        /*scale=*/1.0f, stream, scratch.get(), scratch.bytes());
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       for (std::int64_t m = 0; m < M; ++m)
         for (std::int64_t n = 0; n < N; ++n) {
@@ -492,6 +495,260 @@ TEST(CudaBackendFeatures, ResiduesScaleGradientsWithOneRounding) {
   }
 }
 
+// ---- the deferred weight finish (fused.h: DeviceCall::defer_weight_finish) ----
+
+std::uintptr_t address(const cuda::DeviceBuffer& d) { return reinterpret_cast<std::uintptr_t>(d.get()); }
+
+// A bf16 problem with a bias on the device, its gradient outputs (grad_x and grad_bias with their residues, as the
+// torch module asks), and the DeviceCall over them.
+struct DeviceStep {
+  Problem problem;
+  cuda::DeviceBuffer x, weight, bias, target, grad_x, grad_weight, grad_bias, grad_x_lo, grad_bias_lo, workspace;
+  DeviceCall call;
+
+  DeviceStep(const Problem& p, const Options& options) : problem(p) {
+    const Shape& s = p.shape;
+    const std::int64_t N = s.N(), H = s.H, V = s.V;
+    auto upload = [](const void* data, std::int64_t bytes, const char* name) {
+      cuda::DeviceBuffer d(static_cast<std::size_t>(bytes), name);
+      EXPECT_EQ(cudaSuccess, cudaMemcpy(d.get(), data, d.bytes(), cudaMemcpyHostToDevice));
+      return d;
+    };
+    x = upload(p.x.as<bf16>().data(), N * H * 2, "x");
+    weight = upload(p.weight.as<bf16>().data(), V * H * 2, "weight");
+    bias = upload(p.bias->as<bf16>().data(), V * 2, "bias");
+    target = upload(p.target.data(), N * 8, "target");
+    grad_x = cuda::DeviceBuffer(N * H * 2, "grad_x");
+    grad_x_lo = cuda::DeviceBuffer(N * H * 2, "grad_x_lo");
+    grad_weight = cuda::DeviceBuffer(V * H * 2, "grad_weight");
+    grad_bias = cuda::DeviceBuffer(V * 2, "grad_bias");
+    grad_bias_lo = cuda::DeviceBuffer(V * 2, "grad_bias_lo");
+    call.shape = s;
+    call.hp = p.hp;
+    call.input_dtype = DType::BF16;
+    call.x = address(x), call.weight = address(weight), call.bias = address(bias), call.target = address(target);
+    call.grad_x = address(grad_x), call.grad_weight = address(grad_weight), call.grad_bias = address(grad_bias);
+    call.grad_x_lo = address(grad_x_lo), call.grad_bias_lo = address(grad_bias_lo);
+    call.options = options;
+  }
+
+  // The call, its gradient outputs poisoned with NaN first (every element must be written); `defer`: the last
+  // weight GEMM deferred, in a workspace of this step's own sized by device_workspace.
+  DeviceResult run(bool defer) {
+    for (const cuda::DeviceBuffer* g : {&grad_x, &grad_weight, &grad_bias})
+      EXPECT_EQ(cudaSuccess, cudaMemset(g->get(), 0xFF, g->bytes()));  // 0xFFFF: a bf16 NaN
+    DeviceCall c = call;
+    if (defer) {
+      c.defer_weight_finish = true;
+      const DeviceWorkspace need = device_workspace(c);
+      EXPECT_TRUE(need.defers_weight_finish);
+      workspace = cuda::DeviceBuffer(static_cast<std::size_t>(need.bytes), "the caller's workspace");
+      c.workspace = address(workspace);
+      c.workspace_size = need.bytes;
+    }
+    return compute_on_device(c);
+  }
+
+  // The gradients on the host; grad_x and grad_bias at grad_output `scale` from their residues
+  // (scale_gradient_on_device, as the torch module's backward does), grad_weight as it stands.
+  TensorMap gradients(double scale) const {
+    const Shape& s = problem.shape;
+    TensorMap out;
+    auto download = [&](const std::string& name, const cuda::DeviceBuffer& hi, const cuda::DeviceBuffer* lo) {
+      Tensor t(DType::BF16, output_shape(s, name));
+      const void* from = hi.get();
+      cuda::DeviceBuffer scaled;
+      if (lo != nullptr && scale != 1.0) {
+        scaled = cuda::DeviceBuffer(hi.bytes(), name);
+        scale_gradient_on_device(DType::BF16, address(hi), address(*lo), t.numel(), scale, address(scaled), 0, 0);
+        from = scaled.get();
+      }
+      EXPECT_EQ(cudaSuccess, cudaMemcpy(t.bytes.data(), from, t.bytes.size(), cudaMemcpyDeviceToHost));
+      out[name] = std::move(t);
+    };
+    download(output_name::grad_x, grad_x, &grad_x_lo);
+    download(output_name::grad_weight, grad_weight, nullptr);
+    download(output_name::grad_bias, grad_bias, &grad_bias_lo);
+    return out;
+  }
+};
+
+Problem deferred_case(const Shape& shape, std::uint64_t seed) {
+  CaseSpec spec = spec_of(shape, 2.0, seed);
+  spec.bias = true;
+  spec.ignore = IgnorePattern::random;
+  return generate(spec);
+}
+
+// The shapes and chunkings the deferral meets: one chunk (the deferred GEMM is the first one too: it writes the pair
+// without reading it), three_pass chunks of one pair each (x rows gathered), two_pass token chunks of 63 rows (x
+// rows copied into the workspace, a last chunk of 4 rows); V % 8 == 0 (logit distances) and V = 300 (fp32 logits,
+// the last 4 rows through hilo_tail_kernel); random ignored rows and a bias.
+const Shape deferred_shapes[] = {{.B = 4, .T = 64, .H = 96, .V = 304}, {.B = 4, .T = 64, .H = 96, .V = 300}};
+const std::int64_t deferred_chunk_rows[] = {0, 128, 63};
+
+#define SKIP_WITHOUT_HILO()                                                                                    \
+  do {                                                                                                          \
+    SKIP_WITHOUT_DEVICE();                                                                                      \
+    if (!cuda::hilo_gemm_available())                                                                           \
+      GTEST_SKIP() << "the deferred weight finish needs the hi/lo weight GEMM (CUTLASS, compute capability 9.0)"; \
+  } while (0)
+
+// Deferred, then finished at grad_output 1: grad_weight, grad_x, grad_bias and the forward outputs are the whole
+// step's, bit for bit (the same GEMM, tail and target-row kernels on the same operands, in the same order; the
+// product by 1 is exact).
+TEST(CudaBackendDeferredWeight, FinishAtOneIsTheWholeStepBitForBit) {
+  SKIP_WITHOUT_HILO();
+  for (const Shape& shape : deferred_shapes)
+    for (const std::int64_t chunk_rows : deferred_chunk_rows) {
+      SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows));
+      Options options = cuda_options();
+      options.max_chunk_rows = chunk_rows;
+      DeviceStep step(deferred_case(shape, 71), options);
+      const DeviceResult whole = step.run(false);
+      EXPECT_FALSE(whole.pending.waiting());
+      const TensorMap expected = step.gradients(1.0);
+      const DeviceResult deferred = step.run(true);
+      ASSERT_TRUE(deferred.pending.waiting()) << deferred.plan;
+      EXPECT_NE(deferred.plan.find("deferred"), std::string::npos) << deferred.plan;
+      EXPECT_EQ(deferred.workspace_bytes, 0) << "the call ran in the caller's workspace";
+      EXPECT_EQ(deferred.extra_device_bytes, shape.V * 4) << "the fp32 grad_bias accumulator alone: lo of the pair "
+                                                              "lives in the caller's workspace";
+      finish_weight_gradient_on_device(deferred.pending, 1.0, 0);
+      EXPECT_FALSE(deferred.pending.waiting());
+      ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+      const TensorMap got = step.gradients(1.0);
+      for (const auto& [name, t] : expected) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
+      for (const auto& [name, t] : whole.forward) EXPECT_EQ(deferred.forward.at(name).bytes, t.bytes) << name;
+    }
+}
+
+// Deferred, then finished at grad_output s, grad_x and grad_bias scaled from their residues: every output passes the
+// verifier's strict profile against the reference at grad_scale s. For s = 0.25 (a power of two) the whole step run
+// at grad_scale s scales every dz, sum and target term exactly, so its grad_weight is the finish's bit for bit (and
+// grad_x, grad_bias agree to fp32 noise: hi + lo carries 16 bits of their fp32 sums); for other s the step's dz is
+// rounded at another scale, a difference of dz's rounding noise (ResiduesScaleGradientsWithOneRounding).
+TEST(CudaBackendDeferredWeight, FinishAtAScaleMeetsStrictAtThatGradScale) {
+  SKIP_WITHOUT_HILO();
+  for (const Shape& shape : deferred_shapes)
+    for (const std::int64_t chunk_rows : deferred_chunk_rows) {
+      Options options = cuda_options();
+      options.max_chunk_rows = chunk_rows;
+      const Problem problem = deferred_case(shape, 72);
+      DeviceStep step(problem, options);
+      for (const double scale : {1.0 / 3.0, 0.25, -1e-4}) {
+        SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(chunk_rows) + ", grad_output " +
+                     std::to_string(scale));
+        const DeviceResult deferred = step.run(true);
+        ASSERT_TRUE(deferred.pending.waiting()) << deferred.plan;
+        finish_weight_gradient_on_device(deferred.pending, scale, 0);
+        ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+        const TensorMap got = step.gradients(scale);
+        Problem at_scale = problem;
+        at_scale.hp.grad_scale = scale;
+        const TensorMap exact = reference::compute(at_scale);
+        TensorMap candidate = deferred.forward;
+        for (const auto& [name, t] : got) candidate[name] = t;
+        const verifier::Report report = verifier::compare(at_scale, exact, candidate, verifier::strict_profile());
+        EXPECT_TRUE(report.passed()) << verifier::format_table(report);
+        if (scale == 0.25) {
+          DeviceStep direct(at_scale, options);
+          direct.run(false);
+          const TensorMap step_at_scale = direct.gradients(1.0);
+          EXPECT_EQ(got.at(output_name::grad_weight).bytes, step_at_scale.at(output_name::grad_weight).bytes);
+          expect_same_to_fp32_noise(got, step_at_scale, &exact);
+        }
+      }
+    }
+}
+
+// Two calls deferred at once, each in its own workspace, an ordinary call of another problem between them and the
+// finishes (the runner's own workspace and cuBLAS scratch back in use), then finished in reverse order: each is its
+// own whole step, bit for bit. A pending GEMM runs once: a second finish is an InputError.
+TEST(CudaBackendDeferredWeight, TwoPendingCallsFinishedInReverseOrder) {
+  SKIP_WITHOUT_HILO();
+  Options options = cuda_options();
+  options.max_chunk_rows = 128;
+  const Shape shape = deferred_shapes[0];
+  DeviceStep a(deferred_case(shape, 73), options), b(deferred_case(shape, 74), options),
+      between(deferred_case({.B = 2, .T = 100, .H = 96, .V = 304}, 75), options);
+  a.run(false);
+  const TensorMap expected_a = a.gradients(1.0);
+  b.run(false);
+  const TensorMap expected_b = b.gradients(1.0);
+  const DeviceResult deferred_a = a.run(true), deferred_b = b.run(true);
+  ASSERT_TRUE(deferred_a.pending.waiting() && deferred_b.pending.waiting());
+  between.run(false);
+  finish_weight_gradient_on_device(deferred_b.pending, 1.0, 0);
+  finish_weight_gradient_on_device(deferred_a.pending, 1.0, 0);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+  const TensorMap got_a = a.gradients(1.0), got_b = b.gradients(1.0);
+  for (const auto& [name, t] : expected_a) EXPECT_EQ(got_a.at(name).bytes, t.bytes) << "a: " << name;
+  for (const auto& [name, t] : expected_b) EXPECT_EQ(got_b.at(name).bytes, t.bytes) << "b: " << name;
+  EXPECT_THROW(finish_weight_gradient_on_device(deferred_a.pending, 1.0, 0), InputError);
+}
+
+std::string input_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "(no InputError)";
+}
+
+// Misuse is an InputError that says what to do; where the pair does not run (f16 inputs, an fp32 grad_weight)
+// nothing is deferred and the call is the whole step.
+TEST(CudaBackendDeferredWeight, MisuseIsAnInputErrorAndOtherPlansDeferNothing) {
+  SKIP_WITHOUT_HILO();
+  DeviceStep step(deferred_case(deferred_shapes[0], 76), cuda_options());
+  EXPECT_NE(input_error_of([&] { finish_weight_gradient_on_device(PendingWeightGradient{}, 1.0, 0); })
+                .find("nothing was deferred"),
+            std::string::npos);
+  DeviceCall no_workspace = step.call;
+  no_workspace.defer_weight_finish = true;
+  EXPECT_NE(input_error_of([&] { compute_on_device(no_workspace); }).find("needs DeviceCall::workspace"),
+            std::string::npos);
+  DeviceCall small = no_workspace;
+  const DeviceWorkspace need = device_workspace(small);
+  ASSERT_TRUE(need.defers_weight_finish);
+  cuda::DeviceBuffer too_small(static_cast<std::size_t>(need.bytes / 2), "half a workspace");
+  small.workspace = address(too_small);
+  small.workspace_size = need.bytes / 2;
+  EXPECT_NE(input_error_of([&] { compute_on_device(small); }).find("too small"), std::string::npos);
+  const DeviceResult deferred = step.run(true);
+  EXPECT_NE(input_error_of([&] { finish_weight_gradient_on_device(deferred.pending, INFINITY, 0); }).find("finite"),
+            std::string::npos);
+  EXPECT_TRUE(deferred.pending.waiting()) << "a refused scale leaves the GEMM waiting";
+  finish_weight_gradient_on_device(deferred.pending, 1.0, 0);
+  EXPECT_NE(input_error_of([&] { finish_weight_gradient_on_device(deferred.pending, 1.0, 0); })
+                .find("finished already"),
+            std::string::npos);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+
+  DeviceCall f16 = step.call;
+  f16.input_dtype = DType::F16;
+  f16.defer_weight_finish = true;
+  EXPECT_FALSE(device_workspace(f16).defers_weight_finish);
+  DeviceCall f32_output = step.call;
+  f32_output.options.grad_weight_f32 = true;
+  f32_output.grad_x_lo = f32_output.grad_bias_lo = 0;
+  EXPECT_FALSE(device_workspace(f32_output).defers_weight_finish);
+  // The whole step in the caller's workspace, nothing pending.
+  const DeviceWorkspace whole_need = device_workspace(f32_output);
+  cuda::DeviceBuffer workspace(static_cast<std::size_t>(whole_need.bytes), "workspace"),
+      grad_weight_f32(static_cast<std::size_t>(deferred_shapes[0].V * deferred_shapes[0].H * 4), "grad_weight"),
+      grad_bias_f32(static_cast<std::size_t>(deferred_shapes[0].V * 4), "grad_bias");
+  f32_output.grad_weight = address(grad_weight_f32);
+  f32_output.grad_bias = address(grad_bias_f32);
+  f32_output.defer_weight_finish = true;
+  f32_output.workspace = address(workspace);
+  f32_output.workspace_size = whole_need.bytes;
+  const DeviceResult whole = compute_on_device(f32_output);
+  EXPECT_FALSE(whole.pending.waiting()) << whole.plan;
+  EXPECT_EQ(whole.plan.find("deferred"), std::string::npos) << whole.plan;
+}
+
 // ---- schedules and budgets ----
 
 // Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows) needs ~147 MiB with fp32 logits and
@@ -637,6 +894,41 @@ TEST(CudaBackendErrors, OutOfDeviceMemoryIsAnInputErrorNamingTheBytes) {
   }
   // The failed allocation must leave the device usable.
   check_case(spec_of({.B = 2, .T = 8, .H = 16, .V = 40}, 2.0, 46), cuda_options());
+}
+
+// The device's NaN/Inf scan reads inputs at any element offset (a torch slice such as weight[1:]): the unaligned
+// head element by element, the 16-byte aligned middle by vectors, the tail element by element; each names the lowest
+// non-finite index, as validate() does.
+TEST(CudaBackendErrors, NonFiniteScanOfAnUnalignedInputNamesTheFirstOne) {
+  SKIP_WITHOUT_DEVICE();
+  const Shape shape{.B = 2, .T = 16, .H = 40, .V = 64};
+  const std::int64_t n = shape.V * shape.H;
+  Options options = cuda_options();
+  options.gradients = false;
+  DeviceStep step(deferred_case(shape, 53), options);
+  const auto& clean = step.problem.weight.as<bf16>();
+  for (const std::int64_t offset : {1, 3, 7}) {
+    // (row, column) -> the message's index; head, middle and tail positions, the earliest of two in one vector
+    for (const std::vector<std::int64_t>& poisoned :
+         std::vector<std::vector<std::int64_t>>{{0}, {7 - offset}, {1000, 1002}, {1003, 1001}, {n - 1}}) {
+      std::vector<bf16> w(clean.begin(), clean.end());
+      for (const std::int64_t i : poisoned) w[static_cast<std::size_t>(i)] = bf16(NAN);
+      cuda::DeviceBuffer shifted(static_cast<std::size_t>((n + offset) * 2), "a shifted weight");
+      ASSERT_EQ(cudaSuccess, cudaMemcpy(static_cast<bf16*>(shifted.get()) + offset, w.data(), n * 2,
+                                        cudaMemcpyHostToDevice));
+      DeviceCall c = step.call;
+      c.weight = address(shifted) + offset * 2;
+      const std::int64_t first = *std::min_element(poisoned.begin(), poisoned.end());
+      const std::string expected = "non-finite input: weight(" + std::to_string(first / shape.H) + ", " +
+                                   std::to_string(first % shape.H) + ")";
+      try {
+        compute_on_device(c);
+        ADD_FAILURE() << "no InputError at offset " << offset << " for " << expected;
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << "offset " << offset << ": " << e.what();
+      }
+    }
+  }
 }
 
 TEST(CudaBackendDispatch, FusedComputePicksTheCudaBackend) {
