@@ -42,6 +42,15 @@ Backend resolve(Backend backend) {
   throw InputError("unknown backend value " + std::to_string(static_cast<int>(backend)));
 }
 
+std::string describe(Backend backend) {
+  if (resolve(backend) == Backend::cuda) {
+#if SIMPO_HAVE_CUDA
+    return "cuda on " + cuda::describe_device();
+#endif
+  }
+  return "cpu: the chunked step in portable C++ (Eigen GEMMs, OpenMP)";
+}
+
 // Each backend validates the problem itself (both are entry points too), so the O(inputs) scan runs once.
 TensorMap compute(const Problem& problem, const Options& options) {
   if (options.gradients && !options.grad_x && !options.grad_weight)

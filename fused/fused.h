@@ -57,6 +57,9 @@ struct Options {
 bool cuda_built();      // the cuda backend was built (nvcc at configure time)
 bool cuda_available();  // a CUDA device is present and the cuda backend was built
 Backend resolve(Backend);  // automatic -> cuda when available, else cpu; cuda without a device: InputError
+// One line saying what runs for `backend` (resolved first): for cuda the device, its compute capability and the
+// kernels the step takes there (cuda::describe_device); for cpu the portable step.
+std::string describe(Backend);
 
 // SPEC's outputs: scalars and per-pair tensors F32, grad_x in the inputs' dtype, grad_weight/grad_bias in the
 // inputs' dtype or F32. Both backends take every input dtype; on cuda bf16 runs the sm_90a kernels where built,

@@ -81,6 +81,7 @@ Implementation fused_implementation(fused::Backend backend, fused::Mutant mutant
   });
   impl.concurrent = true;  // each call owns its buffers (and on cuda its stream)
   impl.capabilities = deterministic_declaration;
+  impl.describe = [backend] { return fused::describe(backend); };
   return impl;
 }
 

@@ -66,6 +66,9 @@ struct Implementation {
   // as excluded. An exec: program is asked once (SPEC's handshake); unset means all of SPEC.
   std::function<Capabilities()> capabilities;
   Capabilities declared() const { return capabilities ? capabilities() : Capabilities{}; }
+  // What runs, in one line for a report's header (our backends: fused::describe, the device and its kernels);
+  // unset for implementations that say nothing of themselves.
+  std::function<std::string()> describe;
 };
 
 // Wraps `compute` so that it validates its RunOptions first (every Implementation is made through this).

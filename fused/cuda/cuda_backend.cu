@@ -8,6 +8,8 @@
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/kernels.h"
+#include "fused/cuda/plan.h"
+#include "fused/cuda/promoted_gemm.h"
 
 #include <climits>
 #include <cmath>
@@ -29,6 +31,25 @@ bool device_present() {
     return count > 0;
   }();
   return present;
+}
+
+std::string describe_device() {
+  if (!device_present()) return "no CUDA device";
+  int device = 0;
+  cudaDeviceProp prop{};
+  SIMPO_CUDA_CHECK(cudaGetDevice(&device));
+  SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  const GradientOutputs outputs{.grad_x = true, .grad_weight_16bit = true};
+  const StepPlan plan = plan_step(Shape{.B = 2, .T = 1024, .H = 4096, .V = 128256}, DType::BF16, Options{},
+                                  device_features(), &outputs);
+  std::string why;
+  if (!plan.logits.promoted)
+    why = !promoted_kernels_built() ? " (this build has no CUTLASS sm_90a kernels: fused/cuda/fetch_cutlass.sh, then rebuild)"
+          : prop.major != 9         ? " (the sm_90a kernels need compute capability 9.0)"
+                                    : "";
+  return std::string(prop.name) + " (compute capability " + std::to_string(prop.major) + "." +
+         std::to_string(prop.minor) + "); bf16 at the published shape: logits by " + plan.logits_form() +
+         ", grad_W in the " + plan.grad_weight_form() + why;
 }
 
 namespace {

@@ -13,6 +13,10 @@ struct Tuning;  // plan.h
 
 // True when the CUDA runtime sees at least one device. Never throws (a missing driver reads as false).
 bool device_present();
+// The current device and the kernels the step runs there, in one line for reports: its name and compute
+// capability, then how the logits GEMM runs and where grad_W accumulates for bf16 at the published shape (and why
+// the promoted kernel does not run, where it does not).
+std::string describe_device();
 
 // The one entry to the device step: validation (SPEC's rules on the targets and hyperparameters, the NaN/Inf scan
 // on the device), the buffers the runner needs beyond the caller's (padded copies where H % 8 != 0 or a pointer is

@@ -158,6 +158,21 @@ std::string StepPlan::to_string() const {
          std::to_string(row_blocks) + " row block(s) of <= " + std::to_string(block_rows) + " rows";
 }
 
+std::string StepPlan::logits_form() const {
+  if (!logits.promoted) return "cuBLAS, k in " + std::to_string(logits.k_splits) + " slice(s)";
+  return "promoted GEMM every " + std::to_string(logits.promotion_k) + " k, full step keeps " +
+         (logit_distances() ? "16-bit logit distances" : "fp32 logits");
+}
+
+std::string StepPlan::grad_weight_form() const {
+  switch (grad_weight) {
+    case GradWeight::none: return "none";
+    case GradWeight::hilo: return "bf16 hi/lo pair";
+    case GradWeight::sliced: return "fp32 per vocabulary slice";
+    default: return "fp32 accumulator";
+  }
+}
+
 LogitsGemm logits_gemm(std::int64_t H, DType input, const Options& options, const DeviceFeatures& device,
                        const Tuning& tuning) {
   LogitsGemm g;

@@ -144,6 +144,10 @@ struct StepPlan {
 
   bool logit_distances() const { return kept == Kept::distances; }
   std::string to_string() const;  // the schedule and its forms, for logs, reports and errors
+  // The kernels, for reports: how the logits GEMM runs ("promoted GEMM every 256 k, full step keeps 16-bit logit
+  // distances", "cuBLAS, k in 16 slice(s)") and where grad_W accumulates ("bf16 hi/lo pair", "fp32 accumulator").
+  std::string logits_form() const;
+  std::string grad_weight_form() const;
 
   // The last chunk's weight GEMM can wait for the loss scale (fused.h: DeviceCall::defer_weight_finish): where
   // grad_W accumulates in the hi/lo pair, whose last GEMM can take the scale in its epilogue.

@@ -52,6 +52,9 @@ TEST(CudaPlan, PublishedStepOnHopper) {
   EXPECT_LE(plan.workspace_bytes, default_workspace_bytes);
   expect_regions_disjoint(plan);
   expect_rows_covered(plan, published);
+  // What the main job's header line says of a Hopper device (fused::describe).
+  EXPECT_EQ(plan.logits_form(), "promoted GEMM every 256 k, full step keeps 16-bit logit distances");
+  EXPECT_EQ(plan.grad_weight_form(), "bf16 hi/lo pair");
 }
 
 // The sm_90a kernels take bf16: f16 inputs get cuBLAS cut along k (the tensor cores' truncated accumulation), f32
@@ -99,6 +102,8 @@ TEST(CudaPlan, WithoutTheSm90KernelsCublasSlicesAndAnFp32Accumulator) {
   EXPECT_EQ(plan.kept, StepPlan::Kept::fp32);
   EXPECT_EQ(plan.grad_weight, StepPlan::GradWeight::f32_own);
   EXPECT_EQ(plan.accumulator_bytes, published.V * published.H * 4);
+  EXPECT_EQ(plan.logits_form(), "cuBLAS, k in 16 slice(s)");
+  EXPECT_EQ(plan.grad_weight_form(), "fp32 accumulator");
   Options one_gemm;
   one_gemm.logits_k_slice = 0;
   EXPECT_EQ(logits_gemm(published.H, DType::BF16, one_gemm, hopper).k_splits, 1);

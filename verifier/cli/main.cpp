@@ -105,6 +105,7 @@ int run_main_job(const MainJob& job) {
                impl.name.c_str(), static_cast<unsigned long long>(job.seed),
                options.max_cases > 0 ? (std::to_string(options.max_cases) + " cases").c_str()
                                      : ("~" + std::to_string(static_cast<int>(job.time_budget)) + " s").c_str());
+  if (impl.describe) std::fprintf(stderr, "simpo-verify: %s\n", impl.describe().c_str());
   const sv::SweepResult r = sv::run_sweep(impl, options);
   std::fprintf(stderr, "\n");
   std::cout << sv::format_sweep(r, impl.name) << std::flush;

@@ -53,16 +53,6 @@ std::int64_t free_device_bytes() {
   return static_cast<std::int64_t>(free_bytes);
 }
 
-// How the plan computes the logits and accumulates grad_W, for the header line and the JSON rows.
-std::string logits_description(const StepPlan& plan) {
-  if (!plan.logits.promoted) return "cuBLAS, k in " + std::to_string(plan.logits.k_splits) + " slice(s)";
-  return "promoted GEMM every " + std::to_string(plan.logits.promotion_k) + " k, full step keeps " +
-         (plan.logit_distances() ? "16-bit logit distances" : "fp32 logits");
-}
-std::string grad_weight_description(const StepPlan& plan) {
-  return plan.grad_weight == StepPlan::GradWeight::hilo ? "bf16 hi/lo pair" : "fp32 accumulator";
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -107,8 +97,8 @@ int main(int argc, char** argv) {
   const GradientOutputs bf16_outputs{.grad_weight_16bit = true};
   const StepPlan header_plan = plan_step({.B = 2, .T = T, .H = H, .V = V}, DType::BF16, plan_options, device_features(),
                                          &bf16_outputs, tuning);
-  const std::string logits_gemm = logits_description(header_plan);
-  const std::string grad_weight_path = grad_weight_description(header_plan);
+  const std::string logits_gemm = header_plan.logits_form();
+  const std::string grad_weight_path = header_plan.grad_weight_form();
   try {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
