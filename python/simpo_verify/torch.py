@@ -75,6 +75,8 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, _input, weight, target, bias, hp, workspace_bytes, validate):
         _check_dtypes(_input, weight, target, bias)
+        # backward reads only the loss's gradient: the seven auxiliary outputs' are not filled with zeros for it.
+        ctx.set_materialize_grads(False)
         # A frozen input (requires_grad False: LoRA's LM head, frozen hidden states) gets no gradient GEMM.
         want_x = ctx.needs_input_grad[0]
         want_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
@@ -93,6 +95,8 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_aux_grads):
+        if grad_loss is None:  # (materialize_grads off) no gradient reached the loss: none for the inputs
+            return (None,) * 7
         _input, weight, target, bias, grad_x, grad_weight, grad_bias, x_lo, w_lo, b_lo = ctx.saved_tensors
         scale = float(grad_loss)  # one scalar read; the forward already synchronized
         deferred = ctx.deferred
