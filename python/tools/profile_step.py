@@ -3,7 +3,10 @@ on bench_peers.py's workload (T=1024, H=4096, V=128256, bf16) at one B, under to
 bf16 GEMMs of the floor profiled the same way. Prints, per kernel (CUTLASS and cuBLAS names shortened to what
 they compute), its device time per step and its share; the floor's GEMMs likewise.
 
-    python3 profile_step.py [--B 8] [--steps 3] [--data normal|uniform]
+    python3 profile_step.py [--B 8] [--steps 3] [--data normal|uniform] [--timeline]
+
+--timeline adds, for one more step of ours, the device's idle gaps with the host's CUDA runtime calls inside each
+(step_timeline.py): where the step waits on the host (synchronizations, Python, validation) rather than on kernels.
 
 Why a profiler and not events around each phase: the fused step is one call that enqueues ~15 kernels per chunk;
 the profiler's CUPTI records give each kernel's own device time without changing what runs.
@@ -21,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers import H, T, V, loss_fn, timed, workload_rows, workload_weight  # noqa: E402
+from step_timeline import report  # noqa: E402
 
 # Kernel-name patterns -> what the kernel computes (first match wins).
 # Kernel-name patterns -> what the kernel computes (first match wins). CUTLASS kernels are told apart by the
@@ -68,6 +72,24 @@ def kernel_times(fn, steps):
     return {k: (total[k] / steps, count[k] / steps) for k in total}, {k: v / steps for k, v in gaps.items()}
 
 
+def timeline(fn, min_us):
+    """step_timeline.report of one fn() (after one untimed call): device spans and the host's CUDA runtime calls
+    (the profiler's CPU events named cu*: cudaLaunchKernel, cudaMemcpyAsync, cudaStreamSynchronize, ...)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    device, host = [], []
+    for e in prof.events():
+        span = (e.time_range.start, e.time_range.end, short(e.name))
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            device.append(span)
+        elif e.name.startswith("cu"):
+            host.append((e.time_range.start, e.time_range.end, e.name))
+    return report(device, host, min_us)
+
+
 def show(title, profiled, wall):
     times, gaps = profiled
     whole = sum(ms for ms, _ in times.values())
@@ -87,6 +109,8 @@ def main():
     a.add_argument("--data", choices=["normal", "uniform"], default="normal",
                    help="normal: bench_peers.py's inputs; uniform: cuda_bench's (x and W uniform with the same "
                         "variances, the first tenth of each sequence a prompt of ignored targets)")
+    a.add_argument("--timeline", action="store_true", help="also one step's idle gaps with the host's runtime calls")
+    a.add_argument("--min-gap-us", type=float, default=10.0, help="--timeline: the shortest idle interval listed")
     args = a.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.data == "normal":
@@ -110,6 +134,9 @@ def main():
 
     print(f"B={args.B} T={T} H={H} V={V}, {args.data} inputs, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     show("ours, forward + backward", kernel_times(step, args.steps), timed(step, 5))
+    if args.timeline:
+        print("== ours, one step's timeline (device idle gaps and the host's CUDA runtime calls inside them)")
+        print(timeline(step, args.min_gap_us))
     N = args.B * T
     x2 = x.reshape(N, H)
     dz = (torch.randn(N, V, device="cuda", generator=g).to(torch.bfloat16) if args.data == "normal"
