@@ -15,17 +15,24 @@ def idle_gaps(device, host, min_us=10.0):
     """-> [(start, length, [(host start, duration, name) ...])] for each interval of at least min_us between
     device spans (overlapping spans merged; nothing before the first or after the last), with the host calls that
     started inside it."""
-    gaps, busy_until = [], None
+    host = sorted(host)
+    gaps, busy_until, h = [], None, 0
     for start, end, _ in sorted(device):
         if busy_until is not None and start - busy_until >= min_us:
-            calls = [(h0, h1 - h0, name) for h0, h1, name in sorted(host) if busy_until <= h0 < start]
+            while h < len(host) and host[h][0] < busy_until:  # calls before the gap (both lists in time order)
+                h += 1
+            calls = []
+            while h < len(host) and host[h][0] < start:
+                h0, h1, name = host[h]
+                calls.append((h0, h1 - h0, name))
+                h += 1
             gaps.append((busy_until, start - busy_until, calls))
         busy_until = end if busy_until is None else max(busy_until, end)
     return gaps
 
 
 def report(device, host, min_us=10.0, most=12):
-    """The timeline's text: the span of the device work, its busy and idle time, then the `most` longest gaps
+    """The timeline's text: the span of the device work and its idle time, then the `most` longest gaps
     (offsets from the first device span) with the host calls inside each."""
     if not device:
         return "no device work recorded"
