@@ -29,7 +29,7 @@ struct Options {
   bool grad_x = true;
   bool grad_weight = true;
   bool grad_weight_f32 = false;    // grad_weight and grad_bias in F32 instead of the inputs' dtype
-  bool validate = true;            // false skips only the NaN/Inf scan of the inputs (SPEC)
+  bool validate = true;            // false skips only SPEC's NaN/Inf rule on the inputs' values
   // Scratch the algorithm may hold at once (chunk logits, dz, per-chunk grad_x). The grad_weight accumulator is
   // extra: the output itself when F32 is asked for, else on cuda lo of a bf16 hi/lo pair (V*H*2 bytes, sm_90) or an
   // fp32 one (V*H*4); the cuda low-memory schedule keeps an fp32 grad_x (N*H*4) instead. A budget that cannot hold
@@ -131,7 +131,7 @@ struct DeviceResult {
   std::string plan;                   // the plan that ran (fused/cuda/plan.h), for logs
   PendingWeightGradient pending;      // with defer_weight_finish, where it applied
 };
-// Validates as compute() does (SPEC's rules; the NaN/Inf scan on the device unless options.validate is false).
+// Validates as compute() does (SPEC's rules; the NaN/Inf rule on the device unless options.validate is false).
 // InputError where the build has no cuda backend.
 DeviceResult compute_on_device(const DeviceCall&);
 

@@ -117,11 +117,11 @@ cudaStream_t side_stream_for(int device) {
   return side->s;
 }
 
-// SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message. The scan runs on
-// a side stream beside the step (it reads memory while the logits GEMM computes), and its result is read at the
-// call's final synchronization: no synchronization of its own. Launched once the inputs are ready (`ready`);
-// join() makes `main` wait for it; check(), after `main` is synchronized, throws for a non-finite input, whose
-// outputs are then discarded (the kernels do not index by value: NaN flows through them).
+// SPEC's NaN/Inf rule on the device, in validate()'s order (x, weight, bias) and with its message: the scan that
+// names the first non-finite element, run only for a call whose row statistics are not all finite
+// (finite_statistics below). Launched on a side stream once `ready` has happened; join() makes `main` wait for it;
+// check(), after `main` is synchronized, throws for a non-finite input, whose outputs are then discarded (the
+// kernels do not index by value: NaN flows through them).
 class ValueScan {
  public:
   ValueScan(const DeviceCall& c, cudaEvent_t ready) : c_(c), side_(side_stream_for(c.device)) {
@@ -207,6 +207,20 @@ Problem targets_problem(const DeviceCall& c, cudaStream_t stream) {
 }
 
 bool aligned16(std::uintptr_t p) { return p % 16 == 0; }
+
+// Whether a step's row statistics prove its inputs finite. Every logit z[r, v] = x_r . w_v (+ b_v) of every row r
+// enters rowsum[r] (the *_logits_mean outputs read all N rows, ignored ones included), and a NaN or Inf anywhere in
+// x, weight or bias makes a logit non-finite: NaN times anything and Inf times 0 are NaN, Inf times anything else
+// is an infinity, and a sum with a NaN or infinite term is not finite. So all-finite statistics need no scan of
+// the inputs (W alone is V H elements, 1 GB at the published shape, read once per call), and a call whose
+// statistics are not finite scans them to name the first non-finite element. Finite inputs whose logits overflow
+// fp32 are named by no scan: their outputs stand, as SPEC's rule asks nothing of them.
+bool finite_statistics(const RowStats& stats) {
+  for (std::size_t r = 0; r < stats.rowsum.size(); ++r)
+    if (!std::isfinite(stats.rowsum[r]) || !std::isfinite(stats.lse[r]) || !std::isfinite(stats.z_target[r]))
+      return false;
+  return true;
+}
 
 // x or weight as the runner needs them: [rows, padded(cols)] with zero padding, 16-byte aligned. In place when
 // already so; otherwise a padded device copy held in `copy`.
@@ -306,14 +320,13 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   const StreamOrder order;
   SIMPO_CUDA_CHECK(cudaEventRecord(order.ready, caller));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream, order.ready, 0));
-  std::optional<ValueScan> scan;
-  if (options.validate) scan.emplace(c, order.ready);
   const Problem targets = targets_problem(c, stream);
 
   DeviceResult result;
   DeviceBuffer x_copy, weight_copy, weight_acc, bias_acc;
   const CallerMemory memory{reinterpret_cast<char*>(c.workspace), c.workspace_size};
   HiLoChunk deferred;
+  bool finite = true;
   with_element_type(c.input_dtype, [&]<class T>(T) {
     DeviceProblemOf<T> dp;
     dp.shape = s;
@@ -360,6 +373,7 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
       SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4,
                                          H * 4, V, cudaMemcpyDeviceToDevice, stream));
     result.forward = forward_outputs(targets, dp.targets, stats);
+    finite = finite_statistics(stats);
   });
   // What the backend held beside the caller's buffers: nothing of the plan's when the call ran in its workspace.
   if (!c.workspace) {
@@ -370,13 +384,18 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   const bool deferred_weight = runner.last_report().deferred_weight;
   if (deferred_weight) result.plan += ", the last weight GEMM deferred";
 
-  // The caller's later work waits for the outputs (and the scan); the temporaries are freed only after the runner's
-  // stream is done with them.
-  if (scan) scan->join(stream);
+  // SPEC's NaN/Inf rule: the scan that names the element, only where the statistics are not finite.
+  if (options.validate && !finite) {
+    ValueScan scan(c, order.ready);
+    scan.join(stream);
+    SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+    scan.check();
+  }
+  // The caller's later work waits for the outputs; the temporaries are freed only after the runner's stream is done
+  // with them.
   SIMPO_CUDA_CHECK(cudaEventRecord(order.done, stream));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (scan) scan->check();
   if (deferred_weight)
     result.pending.state = std::make_shared<PendingWeightGradient::State>(
         PendingWeightGradient::State{.device = c.device, .chunk = deferred});

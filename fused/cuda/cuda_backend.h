@@ -18,13 +18,13 @@ bool device_present();
 // the promoted kernel does not run, where it does not).
 std::string describe_device();
 
-// The one entry to the device step: validation (SPEC's rules on the targets and hyperparameters, the NaN/Inf scan
-// on the device), the buffers the runner needs beyond the caller's (padded copies where H % 8 != 0 or a pointer is
+// The one entry to the device step: validation (SPEC's rules on the targets and hyperparameters; the NaN/Inf rule
+// from the step's row statistics, which every input element reaches), the buffers the runner needs beyond the caller's (padded copies where H % 8 != 0 or a pointer is
 // not 16-byte aligned, fp32 accumulators), the runner (one per thread and device, kept between calls), and stream
 // order: the runner's stream waits for the caller's before reading, and the caller's waits for the runner's before
-// anything reads the outputs, so the call is ordered as if it ran on the caller's stream. The NaN/Inf scan runs
-// beside the step on a stream of its own and is read at the call's one final synchronization: a non-finite input is
-// the InputError it names, thrown after the step ran (the output buffers then hold unspecified values). Throws
+// anything reads the outputs, so the call is ordered as if it ran on the caller's stream. Row statistics that are not all
+// finite send the call to a scan of x, weight and bias on the device: a non-finite input is the InputError it
+// names, thrown after the step ran (the output buffers then hold unspecified values). Throws
 // InputError for bad input, a budget too small for one row, or device memory exhausted (naming the bytes);
 // CudaError for any other CUDA, cuBLAS or cuBLASLt failure, with the library's message.
 DeviceResult compute_on_device(const DeviceCall&);

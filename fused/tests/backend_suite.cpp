@@ -374,5 +374,37 @@ TEST(SIMPO_SUITE(Errors), NonFiniteInputsNameTheFirstOne) {
   }
 }
 
+// The cuda backend scans the inputs only where the row statistics are not finite (its proof that they are: every
+// logit enters a row sum). These are the infinities whose logits are least visible: W[v, h] = Inf where hidden unit
+// h is 0 in every row (Inf times 0: NaN logits) or negative in every row (a column of -Inf logits, whose
+// probabilities are 0); each must still be named.
+TEST(SIMPO_SUITE(Errors), InfinitiesTimesZeroOrNegativeUnitsAreNamed) {
+  SKIP_WITHOUT_BACKEND();
+  for (const DType dtype : {DType::BF16, DType::F16, DType::F32}) {
+    SCOPED_TRACE(input_dtype_name(dtype));
+    CaseSpec spec = spec_of({.B = 2, .T = 5, .H = 16, .V = 40}, 2.0, 57);
+    spec.dtype = dtype;
+    const Problem clean = generate(spec);
+    const std::int64_t H = clean.shape.H, h = 3, v = 17;
+    for (const float unit : {0.0f, -0.5f}) {
+      SCOPED_TRACE(unit);
+      Problem p = clean;
+      p.x.visit([&](auto& x) {
+        for (std::int64_t r = 0; r < p.shape.N(); ++r)
+          x[static_cast<std::size_t>(r * H + h)] = static_cast<std::decay_t<decltype(x[0])>>(unit);
+      });
+      p.weight.visit([&](auto& w) {
+        w[static_cast<std::size_t>(v * H + h)] = static_cast<std::decay_t<decltype(w[0])>>(INFINITY);
+      });
+      try {
+        compute(p, backend_options());
+        ADD_FAILURE() << "no InputError";
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find("non-finite input: weight(17, 3) = inf"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace simpo::fused

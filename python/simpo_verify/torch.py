@@ -149,8 +149,9 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
     (loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards,
     rejected_rewards)). Keyword-only extras: empty_sequence ("error", SPEC's default, or "zero": a sequence
     with no completion token averages to 0 with no gradient), workspace_bytes (the kernel's scratch budget) and
-    validate (False skips SPEC's NaN/Inf scan of x, weight and bias, one read of each per call: a NaN input then
-    gives NaN outputs instead of InputError; the targets are checked either way)."""
+    validate (False skips SPEC's NaN/Inf rule on x, weight and bias: a NaN input then gives NaN outputs instead of
+    InputError; the targets are checked either way. On CUDA the rule costs an O(B*T) check of the step's row
+    statistics, and a scan of the inputs only where those are not finite)."""
     del compiled, chunk_size  # Liger's knobs: no meaning here (module docstring)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
     if torch.compiler.is_compiling():  # torch.compile: the custom ops, opaque nodes of the graph (_torch_op.py)
