@@ -4,13 +4,18 @@ token) at B = 2, 4, 8, 16, with the cuBLAS GEMM floor measured in the same proce
 (schema in python/README.md, "peers.json").
 
     python3 bench_peers.py OUT.json [--batches 2,4,8,16] [--reps 5] [--impls ours,torch_eager,liger,cce]
-                           [--budget S] [--cce-probe] [--dtype bf16|f16|f32]
+                           [--budget S] [--cce-probe] [--dtype bf16|f16|f32] [--paired A:B,...]
 
 fwd: the loss alone (no autograd graph: torch.no_grad for the peers, no input requiring grad for ours).
 full: forward + loss.backward(): every gradient, as one training step needs. Times are medians of --reps runs
 after one warm-up, CUDA events on the current stream. extra_mib: peak device memory above the steady state
 (inputs, and for full the gradient buffers, already allocated), from torch's allocator, plus for ours the
 memory its kernel holds outside torch's allocator (workspace and fp32 accumulators: simpo_verify._device).
+
+--paired A:B (impl names, e.g. ours:ours_third, ours:ours_novalidate) times A and B in turns, one rep of each per
+round in alternating order, so both see the same clocks (timed in blocks, two runs of one impl differ by several
+per cent on a lent card): per B the medians of A and B and the median, lowest and highest of the per-round ratio
+B / A, for the forward and for the full step, in the row's "paired" and printed as `B=.. paired A:B ...`.
 """
 
 import argparse
@@ -119,6 +124,52 @@ def full_step_ms(f, x, w, t, reps):
     return timed(step, reps)
 
 
+def paired(fa, fb, reps):
+    """fa and fb (no arguments) timed in turns: one warm-up each, then `reps` rounds of one call of each, the
+    order alternating per round. -> {"a_ms", "b_ms": medians, "ratio": median of b / a per round, "ratio_min",
+    "ratio_max"}."""
+    fa(), fb()
+    torch.cuda.synchronize()
+    ta, tb = [], []
+    for i in range(reps):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            (fa if which == 0 else fb)()
+            end.record()
+            torch.cuda.synchronize()
+            (ta if which == 0 else tb).append(start.elapsed_time(end))
+    ratios = [b / a for a, b in zip(ta, tb)]
+    return {"a_ms": statistics.median(ta), "b_ms": statistics.median(tb), "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
+def measure_paired(fa, fb, x, w, t, reps):
+    """paired() of two loss functions: the forward under no_grad and the full step (measure()'s fwd and full)."""
+    with torch.no_grad():
+        fwd = paired(lambda: fa(x, w, t), lambda: fb(x, w, t), reps)
+    xg = x.detach().requires_grad_(True)
+    wg = w.detach().requires_grad_(True)
+
+    def step(f):
+        xg.grad, wg.grad = None, None
+        f(xg, wg, t).backward()
+
+    full = paired(lambda: step(fa), lambda: step(fb), reps)
+    return {"fwd": fwd, "full": full}
+
+
+def parse_pairs(spec):
+    """'ours:ours_third,ours:ours_novalidate' -> [('ours', 'ours_third'), ...]; ValueError naming a bad item."""
+    pairs = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        a, sep, b = item.partition(":")
+        if not sep or not a or not b:
+            raise ValueError(f"--paired {item!r}: expected A:B, two impl names")
+        pairs.append((a, b))
+    return pairs
+
+
 def cce_probe(x, w, t, reps):
     """Why CCE's full step is slower here than in ANCHORS.md: the same step timed twice in a row (autotune or a
     first-call cost would show as a difference), with reduction="mean" (CCE's own loss), with logits ten times
@@ -198,11 +249,16 @@ def main():
     a.add_argument("--impls", default="ours,torch_eager,liger,cce")
     a.add_argument("--budget", type=float, default=0, help="stop starting new rows after this many seconds")
     a.add_argument("--cce-probe", action="store_true", help="first: cce_probe() at B = 2 (result's cce_probe)")
+    a.add_argument("--paired", default="", help="A:B,...: impls timed in turns per B (module docstring)")
     a.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16",
                    help="x's and weight's dtype (f32: torch's fp32 GEMMs, TF32 off as torch's default)")
     args = a.parse_args()
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
-    impls = args.impls.split(",")
+    impls = [i for i in args.impls.split(",") if i]
+    try:
+        pairs = parse_pairs(args.paired)
+    except ValueError as e:
+        a.error(str(e))
     t_start = time.time()
     g = torch.Generator(device="cuda").manual_seed(0)
     w = workload_weight(g, dtype)
@@ -240,6 +296,18 @@ def main():
             except Exception as e:
                 row["impls"][name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"B={B} {name}: {row['impls'][name]}", flush=True)
+            torch.cuda.empty_cache()
+        for fa_name, fb_name in pairs:
+            key = f"{fa_name}:{fb_name}"
+            try:
+                r = measure_paired(loss_fn(fa_name), loss_fn(fb_name), x, w, t, args.reps)
+                row.setdefault("paired", {})[key] = r
+                print(f"B={B} paired {key} " + " | ".join(
+                    f"{k} {v['a_ms']:.3f} / {v['b_ms']:.3f} ms, ratio {v['ratio']:.4f} "
+                    f"[{v['ratio_min']:.4f}, {v['ratio_max']:.4f}]" for k, v in r.items()), flush=True)
+            except Exception as e:
+                row.setdefault("paired", {})[key] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"B={B} paired {key}: {type(e).__name__}: {e}", flush=True)
             torch.cuda.empty_cache()
         print(f"B={B} floor fwd {floor_fwd:.2f} full {floor_full:.2f} ms", flush=True)
         result["rows"].append(row)
