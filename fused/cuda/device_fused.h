@@ -5,6 +5,7 @@
 #pragma once
 
 #include "fused/cuda/device_buffer.h"
+#include "fused/cuda/device_forward.h"
 #include "fused/cuda/gemm.h"
 #include "fused/cuda/kernels.h"
 #include "fused/cuda/plan.h"
@@ -37,6 +38,9 @@ struct DeviceProblemOf {
   const T* bias = nullptr;               // [V] or nullptr
   const std::int64_t* target = nullptr;  // [N]
   Targets targets;                       // host: n[b] and N_c (fused/forward_outputs.h)
+  // An asynchronous call's (fused.h: DeviceCall::asynchronous): n[b] and N_c on the device (device_forward.h),
+  // `target` its checked targets; `targets` is then unused. Not for f16 (its dz scale is planned from n[b] on the host).
+  DeviceTargets on_device;
 };
 using DeviceProblem = DeviceProblemOf<__nv_bfloat16>;
 
@@ -116,7 +120,9 @@ class FusedRunner {
   cudaStream_t stream() const { return stream_; }
 
   // Plans the step (plan_step) and enqueues it on stream() (gradients == nullptr: forward only), then waits once,
-  // at the end, for the N rows' statistics. Throws InputError when options.workspace_bytes cannot hold one row.
+  // at the end, for the N rows' statistics. With forward_out (eight device float buffers in problem.h's output
+  // order, an asynchronous call's: the problem's `on_device` set) the forward outputs are computed on the device
+  // into them instead, nothing is waited for, and the RowStats returned are empty. Throws InputError when options.workspace_bytes cannot hold one row.
   // T: __nv_bfloat16, __half or float (explicit instantiations in fused_runner.cu).
   // memory: the run's scratch and accumulator there instead of the runner's own (which is freed: the two are never
   // held at once); InputError when it is smaller than the plan's caller_workspace_bytes(). deferred (with memory,
@@ -125,7 +131,8 @@ class FusedRunner {
   // Layout::deferred_targets); last_report().deferred_weight says whether it was.
   template <class T>
   RowStats run(const DeviceProblemOf<T>&, const std::type_identity_t<DeviceGradientsOf<T>>* gradients, const Options&,
-               const Tuning& = {}, const CallerMemory* memory = nullptr, HiLoChunk* deferred = nullptr);
+               const Tuning& = {}, const CallerMemory* memory = nullptr, HiLoChunk* deferred = nullptr,
+               float* const* forward_out = nullptr);
 
   const RunReport& last_report() const { return report_; }
 

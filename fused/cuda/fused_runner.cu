@@ -87,11 +87,24 @@ double dz_scale_for_f16(const Targets& targets, const Hyperparameters& hp, std::
   return std::ldexp(1.0, std::clamp(static_cast<int>(std::floor(std::log2(0x1.0p14 / bound))), -120, 120));
 }
 
+// n[b] into the workspace's [B] array: from the host's Targets, or (an asynchronous call) from the device's.
+template <class T>
+void copy_completion_tokens(const DeviceProblemOf<T>& p, std::int64_t* to, cudaStream_t stream) {
+  const bool device = p.on_device.completion_tokens != nullptr;
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(to, device ? p.on_device.completion_tokens : p.targets.n.data(), p.shape.B * 8,
+                                   device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice, stream));
+}
+
 template <class T>
 CoefficientParams coefficient_params(const DeviceProblemOf<T>& p, const RowArrays& rows) {
   const double nll_weight =
       p.hp.compute_nll_loss && p.targets.n_chosen > 0 ? p.hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
   CoefficientParams c{p.shape.T, p.shape.P(), p.hp.grad_scale, nll_weight, rows.avg_grad, rows.completion_tokens};
+  if (p.on_device.n_chosen) {
+    if constexpr (std::is_same_v<T, __half>) throw CudaError("f16 calls plan their dz scale from n[b] on the host");
+    c.n_chosen = p.on_device.n_chosen;
+    c.alpha = p.hp.compute_nll_loss ? p.hp.alpha : 0.0;
+  }
   if constexpr (std::is_same_v<T, __half>)
     c.dz_scale = static_cast<float>(dz_scale_for_f16(p.targets, p.hp, p.shape.P(), nll_weight));
   return c;
@@ -154,8 +167,7 @@ class ChunkedStep {
   }
 
   void prologue() {
-    SIMPO_CUDA_CHECK(cudaMemcpyAsync(rows_.completion_tokens, p_.targets.n.data(), p_.shape.B * 8,
-                                     cudaMemcpyHostToDevice, stream_));
+    copy_completion_tokens(p_, rows_.completion_tokens, stream_);
     // grad_weight needs no clearing: the first weight GEMM writes it with beta = 0 (every chunk has rows), the hi/lo
     // pair likewise (hilo_gemm.h).
     if (g_ && g_->grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g_->grad_bias, 0, p_.shape.V * 4, stream_));
@@ -451,7 +463,7 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
   const bool own_slice = g.grad_weight == nullptr;  // no fp32 output to write the slice's rows into
   float* grad_w_slice = own_slice ? at<float>(base, l.grad_w_slice) : nullptr;
 
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(rows.completion_tokens, p.targets.n.data(), B * 8, cudaMemcpyHostToDevice, stream));
+  copy_completion_tokens(p, rows.completion_tokens, stream);
   if (g.grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g.grad_bias, 0, V * 4, stream));
 
   // 1. statistics
@@ -583,7 +595,7 @@ RowStats FusedRunner::download_row_stats(std::int64_t N, const float* lse, const
 template <class T>
 RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_t<DeviceGradientsOf<T>>* g,
                           const Options& options, const Tuning& tuning, const CallerMemory* memory,
-                          HiLoChunk* deferred) {
+                          HiLoChunk* deferred, float* const* forward_out) {
   if (p.ld_h != padded(p.shape.H)) throw CudaError("DeviceProblem::ld_h must be padded(H)");
   if (g && !g->grad_x && !g->grad_weight_16bit && !g->grad_weight)
     throw CudaError("DeviceGradients: no gradient output is set (forward only: pass no DeviceGradients)");
@@ -625,15 +637,24 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
     walk(plan.schedule, p.shape, step.stages());
     step.epilogue();
   }
-  return download_row_stats(p.shape.N(), rows.lse, rows.z_target, rows.rowsum);
+  if (forward_out == nullptr) return download_row_stats(p.shape.N(), rows.lse, rows.z_target, rows.rowsum);
+  report_.gemm_fallbacks = gemms_->fallback_calls();
+  ForwardOutputsParams f{.B = p.shape.B, .T = p.shape.T, .V = p.shape.V, .ignore_index = p.hp.ignore_index,
+                         .beta = p.hp.beta, .gamma = p.hp.gamma, .label_smoothing = p.hp.label_smoothing,
+                         .alpha = p.hp.alpha, .compute_nll_loss = p.hp.compute_nll_loss, .target = p.target,
+                         .lse = rows.lse, .z_target = rows.z_target, .rowsum = rows.rowsum, .targets = p.on_device,
+                         .out = {}};
+  for (int i = 0; i < 8; ++i) f.out[i] = forward_out[i];
+  launch_forward_outputs(f, stream_);
+  return RowStats{};
 }
 
 template RowStats FusedRunner::run<__nv_bfloat16>(const DeviceProblemOf<__nv_bfloat16>&,
                                                   const DeviceGradientsOf<__nv_bfloat16>*, const Options&,
-                                                  const Tuning&, const CallerMemory*, HiLoChunk*);
+                                                  const Tuning&, const CallerMemory*, HiLoChunk*, float* const*);
 template RowStats FusedRunner::run<__half>(const DeviceProblemOf<__half>&, const DeviceGradientsOf<__half>*,
-                                           const Options&, const Tuning&, const CallerMemory*, HiLoChunk*);
+                                           const Options&, const Tuning&, const CallerMemory*, HiLoChunk*, float* const*);
 template RowStats FusedRunner::run<float>(const DeviceProblemOf<float>&, const DeviceGradientsOf<float>*,
-                                          const Options&, const Tuning&, const CallerMemory*, HiLoChunk*);
+                                          const Options&, const Tuning&, const CallerMemory*, HiLoChunk*, float* const*);
 
 }  // namespace simpo::fused::cuda

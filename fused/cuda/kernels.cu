@@ -149,11 +149,16 @@ __global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, st
 // and only then writes. A step's writes reach fp32 columns < (its start + 2048) / 2, all read by then, and never
 // a later step's. Separate buffers take the same path (one barrier per 2048 columns).
 // k of row r in double from the pair math, stored as float: the same steps as fused/forward_outputs.cpp.
+__device__ inline double nll_weight_of(const CoefficientParams& c) {
+  if (c.n_chosen == nullptr) return c.nll_weight;
+  const std::int64_t n_chosen = *c.n_chosen;
+  return n_chosen > 0 ? c.alpha / static_cast<double>(n_chosen) : 0.0;
+}
 __device__ inline float row_k(const CoefficientParams& c, std::int64_t r, bool completion) {
   const std::int64_t b = r / c.T;
   return static_cast<float>(m::row_coefficient(c.grad_scale, completion, c.avg_grad[b],
                                                static_cast<long long>(c.completion_tokens[b]),
-                                               b < c.P ? c.nll_weight : 0.0));
+                                               b < c.P ? nll_weight_of(c) : 0.0));
 }
 
 template <bool kBias, class T>

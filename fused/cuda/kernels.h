@@ -78,6 +78,10 @@ struct CoefficientParams {
   double nll_weight;  // alpha / N_c on chosen rows (0 when the NLL term is off)
   const double* avg_grad;                 // [B]
   const std::int64_t* completion_tokens;  // [B]
+  // Asynchronous calls (device_forward.h): N_c on the device, and nll_weight = alpha / N_c computed there (0 for
+  // N_c = 0; alpha 0 with the NLL term off) instead of the field above. nullptr: nll_weight.
+  const std::int64_t* n_chosen = nullptr;
+  double alpha = 0;
   // dz is written times this power of two (target_coef is not); the GEMMs and the bias sums take it out again
   // (alpha = 1 / dz_scale, exact). 1 but for f16 inputs, whose 5-bit exponent would flush a small k's dz to zero:
   // there it lifts the largest possible |k| to near the top of f16's range (dz_scale_for, fused_runner.cu).

@@ -59,7 +59,8 @@ def check_tensors(x, weight, target, bias):
 
 
 def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_weight=True, residues=False,
-            grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0, defer_weight=False):
+            grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0, defer_weight=False,
+            asynchronous=False):
     """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors.
 
     grad_x / grad_weight False: that gradient (grad_weight with grad_bias) is neither computed nor returned (a frozen
@@ -67,7 +68,10 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     scale_gradient. defer_weight: where the plan keeps grad_weight in the bf16 hi/lo pair, its last GEMM waits for
     the loss scale (fused.h: DeviceCall::defer_weight_finish) in a workspace from torch's allocator:
     info["deferred"] is then (pending, workspace) for finish_weight_gradient, grad_weight is not final until then
-    and gets no residue; elsewhere info["deferred"] is None and the call is the whole step."""
+    and gets no residue; elsewhere info["deferred"] is None and the call is the whole step. asynchronous (validate
+    False; bf16 or f32 inputs): no host synchronization (fused.h: DeviceCall::asynchronous): the targets are checked
+    and counted on the device and the forward outputs written there; invalid targets give NaN outputs instead of
+    InputError."""
     import torch
 
     if not _core.has_device_entry():
@@ -100,8 +104,14 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
         "grad_x_lo": 0, "grad_weight_lo": 0, "grad_bias_lo": 0,
         "gradients": gradients, "want_grad_x": want_x, "want_grad_weight": want_weight, "grad_f32": grad_f32,
         "validate": validate, "workspace_bytes": workspace_bytes, "max_chunk_rows": max_chunk_rows,
-        "workspace": 0, "workspace_size": 0, "defer_weight_finish": False,
+        "workspace": 0, "workspace_size": 0, "defer_weight_finish": False, "asynchronous": asynchronous,
     }
+    forward = None
+    if asynchronous:  # the eight forward outputs, each a tensor of its own (an op's outputs may not alias)
+        P = B // 2
+        forward = {name: torch.empty((P,) if name.endswith(("_logps", "_rewards")) else (), dtype=torch.float32,
+                                     device=dev) for name in _FORWARD_OUTPUTS}
+        args["forward_out"] = [t.data_ptr() for t in forward.values()]
     with torch.cuda.device(dev):
         args["stream"] = torch.cuda.current_stream(dev).cuda_stream
         # The deferred call's scratch, the pair's lo included, comes from torch's allocator and stays with its pending
@@ -119,13 +129,18 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
                     lo[name] = torch.empty_like(g)
                     args[name + "_lo"] = lo[name].data_ptr()
         r = _core.compute_device(args)
-    out = _forward_outputs(r["outputs"], x)
+    out = forward if asynchronous else _forward_outputs(r["outputs"], x)
     for name, g in (("grad_x", grad_x), ("grad_weight", grad_w), ("grad_bias", grad_b)):
         if g is not None:
             out[name] = g
     last_info.update(workspace_bytes=r["workspace_bytes"], extra_device_bytes=r["extra_device_bytes"], plan=r["plan"])
     deferred = (r["pending"], workspace) if r["pending"] is not None else None
     return out, dict(last_info, residues=lo, deferred=deferred)
+
+
+# problem.h's order of the forward outputs (fused.h: DeviceCall::forward_out).
+_FORWARD_OUTPUTS = ("loss", "nll_loss", "chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean",
+                    "chosen_rewards", "rejected_rewards")
 
 
 def _forward_outputs(wires, like):

@@ -6,8 +6,8 @@
     loss.backward()
 
 Backends: CUDA tensors run the fused cuda backend on the device, ordered on torch's current stream, with no copy
-through the host (the targets, B*T int64, are read by the host for validation and the per-sequence math); CPU
-tensors run the fused cpu backend. Gradients come from autograd: the forward computes them (3 GEMMs, as Liger
+through the host (the targets, B*T int64, are read by the host for validation and the per-sequence math, one
+synchronization per call; with validate=False nothing is, see below); CPU tensors run the fused cpu backend. Gradients come from autograd: the forward computes them (3 GEMMs, as Liger
 does) for the inputs that require grad when grad mode is on: a frozen input (requires_grad False: a LoRA model's LM
 head, frozen hidden states) costs no gradient GEMM, and under torch.no_grad() or torch.inference_mode() the
 forward-only schedule runs (one GEMM). backward hands them over scaled by grad_output, which is SPEC's grad_scale,
@@ -48,9 +48,13 @@ def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=Tr
     residues: cuda only, for backward's scale_gradient, and with defer_weight where the plan allows it the pending
     grad_weight GEMM (pending, workspace) for _device.finish_weight_gradient, else None)."""
     if _input.is_cuda:
+        # validate=False: nothing for the host to check, so no host synchronization (f16 plans its dz scale from the
+        # targets on the host).
+        asynchronous = not validate and _input.dtype != torch.float16
         out, info = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients, grad_x=grad_x,
                                     grad_weight=grad_weight, residues=gradients, validate=validate,
-                                    workspace_bytes=workspace_bytes, defer_weight=defer_weight)
+                                    workspace_bytes=workspace_bytes, defer_weight=defer_weight,
+                                    asynchronous=asynchronous)
         return out, info["residues"], info["deferred"]
     _device.check_tensors(_input, weight, target, bias)
     return _compute(_input.detach(), weight.detach(), target.detach(),
@@ -150,8 +154,11 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
     rejected_rewards)). Keyword-only extras: empty_sequence ("error", SPEC's default, or "zero": a sequence
     with no completion token averages to 0 with no gradient), workspace_bytes (the kernel's scratch budget) and
     validate (False skips SPEC's NaN/Inf rule on x, weight and bias: a NaN input then gives NaN outputs instead of
-    InputError; the targets are checked either way. On CUDA the rule costs an O(B*T) check of the step's row
-    statistics, and a scan of the inputs only where those are not finite)."""
+    InputError. On CUDA with bf16 or f32 inputs it also makes the call asynchronous, no host synchronization: the
+    targets are checked and counted on the device, and invalid ones (out of range, an empty sequence under
+    empty_sequence="error", no chosen completion token with the NLL term on) give NaN outputs, as Liger does,
+    instead of InputError; on the CPU and for f16 they stay InputError. On CUDA the rule itself costs an O(B*T)
+    check of the step's row statistics, and a scan of the inputs only where those are not finite)."""
     del compiled, chunk_size  # Liger's knobs: no meaning here (module docstring)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
     if torch.compiler.is_compiling():  # torch.compile: the custom ops, opaque nodes of the graph (_torch_op.py)

@@ -453,6 +453,15 @@ simpo::fused::DeviceCall device_call_from(const nb::dict& args) {
   c.workspace = nb::cast<std::uintptr_t>(args["workspace"]);
   c.workspace_size = nb::cast<std::int64_t>(args["workspace_size"]);
   c.defer_weight_finish = nb::cast<bool>(args["defer_weight_finish"]);
+  // Optional (older callers pass neither): the asynchronous form, its eight forward output buffers.
+  if (args.contains("asynchronous")) c.asynchronous = nb::cast<bool>(args["asynchronous"]);
+  if (args.contains("forward_out")) {
+    const auto out = nb::cast<std::vector<std::uintptr_t>>(args["forward_out"]);
+    if (out.size() != c.forward_out.size())
+      throw InputError("compute_device: forward_out needs " + std::to_string(c.forward_out.size()) + " buffers, got " +
+                       std::to_string(out.size()));
+    std::copy(out.begin(), out.end(), c.forward_out.begin());
+  }
   return c;
 }
 
@@ -520,7 +529,8 @@ NB_MODULE(_core, m) {
   }, "problem"_a, "impl"_a, "gradients"_a, "grad_f32"_a, "validate"_a, "workspace_bytes"_a, "max_chunk_rows"_a);
 
   // Inputs on a CUDA device (pointers from DLPack / torch): outputs written to caller-allocated device buffers
-  // (gradients) and returned on the host (scalars, per-pair tensors). fused::compute_on_device (fused/fused.h) says what it checks.
+  // (gradients; asynchronously the forward outputs too) and returned on the host (scalars, per-pair tensors; an
+  // asynchronous call returns none). fused::compute_on_device (fused/fused.h) says what it checks.
   m.def("compute_device", [](const nb::dict& args) {
     const simpo::fused::DeviceCall c = device_call_from(args);
     simpo::fused::DeviceResult r;

@@ -155,9 +155,41 @@ def test_validate_false_skips_only_the_value_scan(device):
     loss, _ = FusedLinearSimPOLoss(validate=False)(w, x, t)  # the NaN flows through instead
     assert torch.isnan(loss)
     w[3, 2] = 0
-    t[0, :] = -100  # the targets are checked either way
-    with pytest.raises(sv.InputError, match="no completion token"):
-        FusedLinearSimPOLoss(validate=False)(w, x, t)
+    t[0, :] = -100  # an empty sequence: InputError on the CPU, NaN from the asynchronous CUDA call
+    if device == "cpu":
+        with pytest.raises(sv.InputError, match="no completion token"):
+            FusedLinearSimPOLoss(validate=False)(w, x, t)
+    else:
+        loss, aux = FusedLinearSimPOLoss(validate=False)(w, x, t)
+        assert torch.isnan(loss) and all(torch.isnan(a).all() for a in aux)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or no cuda backend in this build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_validate_false_is_asynchronous_with_the_same_results(dtype):
+    # No host synchronization: behind half a second of queued device work the call returns before the stream is
+    # done (the synchronous call returns after), and its outputs and gradients are the synchronous call's.
+    x, w, t, b = make("cuda", B=4, T=64, H=256, V=4096, dtype=dtype)
+    for validate in (True, False):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e9))
+        FusedLinearSimPOLoss(validate=validate)(w, x, t, b)
+        assert torch.cuda.current_stream().query() == validate, f"validate={validate}"
+        torch.cuda.synchronize()
+    results = []
+    for validate in (True, False):
+        xg, wg, bg = (a.detach().clone().requires_grad_(True) for a in (x, w, b))
+        loss, aux = FusedLinearSimPOLoss(validate=validate)(wg, xg, t, bg)
+        (loss / 3).backward()
+        results.append([loss, *aux, xg.grad, wg.grad, bg.grad])
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, rtol=2 ** -22, atol=0)
+    t_bad = t.clone()
+    t_bad[1, 5] = 4096  # past V
+    loss, aux = FusedLinearSimPOLoss(validate=False)(w, x, t_bad, b)
+    assert torch.isnan(loss) and all(torch.isnan(a).all() for a in aux)
+    with pytest.raises(sv.InputError, match="target"):
+        FusedLinearSimPOLoss()(w, x, t_bad, b)
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or no cuda backend in this build")

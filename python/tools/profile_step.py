@@ -3,10 +3,11 @@ on bench_peers.py's workload (T=1024, H=4096, V=128256, bf16) at one B, under to
 bf16 GEMMs of the floor profiled the same way. Prints, per kernel (CUTLASS and cuBLAS names shortened to what
 they compute), its device time per step and its share; the floor's GEMMs likewise.
 
-    python3 profile_step.py [--B 8] [--steps 3] [--data normal|uniform] [--timeline]
+    python3 profile_step.py [--B 8] [--steps 3] [--data normal|uniform] [--timeline] [--impl ours|ours_novalidate]
 
 --timeline adds, for one more step of ours, the device's idle gaps with the host's CUDA runtime calls inside each
 (step_timeline.py): where the step waits on the host (synchronizations, Python, validation) rather than on kernels.
+--impl ours_novalidate profiles the module with validate=False (the asynchronous call: no host synchronization).
 
 Why a profiler and not events around each phase: the fused step is one call that enqueues ~15 kernels per chunk;
 the profiler's CUPTI records give each kernel's own device time without changing what runs.
@@ -111,6 +112,8 @@ def main():
                         "variances, the first tenth of each sequence a prompt of ignored targets)")
     a.add_argument("--timeline", action="store_true", help="also one step's idle gaps with the host's runtime calls")
     a.add_argument("--min-gap-us", type=float, default=10.0, help="--timeline: the shortest idle interval listed")
+    a.add_argument("--impl", choices=["ours", "ours_novalidate"], default="ours",
+                   help="the module as bench_peers.py names it (ours_novalidate: validate=False)")
     args = a.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.data == "normal":
@@ -124,7 +127,7 @@ def main():
         x = uniform(args.B, T, H, half_width=3.0 ** 0.5)
         t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
         t[:, : T // 10] = -100
-    f = loss_fn("ours")
+    f = loss_fn(args.impl)
     xg = x.detach().requires_grad_(True)
     wg = w.detach().requires_grad_(True)
 

@@ -749,6 +749,179 @@ TEST(CudaBackendDeferredWeight, MisuseIsAnInputErrorAndOtherPlansDeferNothing) {
   EXPECT_EQ(whole.plan.find("deferred"), std::string::npos) << whole.plan;
 }
 
+// ---- asynchronous calls (fused.h: DeviceCall::asynchronous) ----
+
+// The eight forward outputs of an asynchronous call, in device buffers of their own (problem.h's output order).
+struct DeviceForwardOutputs {
+  std::vector<std::string> names;
+  std::vector<cuda::DeviceBuffer> buffers;
+
+  explicit DeviceForwardOutputs(const Shape& s) {
+    for (const std::string& name : all_output_names()) {
+      if (is_gradient_output(name)) continue;
+      std::int64_t n = 1;
+      for (const std::int64_t d : output_shape(s, name)) n *= d;
+      names.push_back(name);
+      buffers.emplace_back(static_cast<std::size_t>(n * 4), name);
+      EXPECT_EQ(cudaSuccess, cudaMemset(buffers.back().get(), 0, buffers.back().bytes()));
+    }
+  }
+  void attach(DeviceCall& c) const {
+    for (std::size_t i = 0; i < buffers.size(); ++i) c.forward_out[i] = address(buffers[i]);
+  }
+  std::map<std::string, std::vector<float>> download() const {
+    std::map<std::string, std::vector<float>> out;
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      std::vector<float> v(buffers[i].bytes() / 4);
+      EXPECT_EQ(cudaSuccess, cudaMemcpy(v.data(), buffers[i].get(), buffers[i].bytes(), cudaMemcpyDeviceToHost));
+      out[names[i]] = std::move(v);
+    }
+    return out;
+  }
+};
+
+// The same call synchronously (host targets and forward outputs) and asynchronously (both on the device), on the
+// deferral's shapes and chunkings, deferred or not, and through the low-memory schedule: the gradients bit for bit
+// (the same kernels on the same n[b], and alpha / N_c is one IEEE division on either side), the forward outputs to
+// the float rounding of doubles summed in another order (at most one ulp apart).
+TEST(CudaBackendAsynchronous, OutputsAreTheSynchronousCalls) {
+  SKIP_WITHOUT_HILO();
+  struct Variant {
+    std::int64_t chunk_rows;
+    bool defer, low_memory;
+  };
+  const Variant variants[] = {{0, false, false}, {128, true, false}, {63, true, false}, {0, false, true}};
+  for (const Shape& shape : deferred_shapes)
+    for (const Variant& v : variants) {
+      if (v.low_memory && shape.V % 8 != 0) continue;  // dz from the epilogue needs whole groups of 8 columns
+      SCOPED_TRACE(shape.to_string() + ", max_chunk_rows " + std::to_string(v.chunk_rows) + (v.defer ? ", deferred" : "") +
+                   (v.low_memory ? ", low-memory schedule" : ""));
+      Options options = cuda_options();
+      options.max_chunk_rows = v.chunk_rows;
+      options.validate = false;
+      Problem problem = deferred_case(shape, 81);
+      problem.hp.compute_nll_loss = true;
+      DeviceStep step(problem, options);
+      const cuda::Tuning tuning{.low_memory = v.low_memory ? cuda::Tuning::LowMemory::always
+                                                           : cuda::Tuning::LowMemory::automatic};
+      auto run = [&](bool asynchronous, const DeviceForwardOutputs* out) {
+        for (const cuda::DeviceBuffer* g : {&step.grad_x, &step.grad_weight, &step.grad_bias})
+          EXPECT_EQ(cudaSuccess, cudaMemset(g->get(), 0xFF, g->bytes()));
+        DeviceCall c = step.call;
+        cuda::DeviceBuffer workspace;
+        if (v.defer) {
+          c.defer_weight_finish = true;
+          const DeviceWorkspace need = cuda::device_workspace(c, tuning);
+          workspace = cuda::DeviceBuffer(static_cast<std::size_t>(need.bytes), "the caller's workspace");
+          c.workspace = address(workspace);
+          c.workspace_size = need.bytes;
+        }
+        c.asynchronous = asynchronous;
+        if (out) out->attach(c);
+        const DeviceResult r = cuda::compute_on_device(c, tuning);
+        EXPECT_EQ(r.pending.waiting(), v.defer) << r.plan;
+        if (v.low_memory) {
+          EXPECT_NE(r.plan.find("low-memory"), std::string::npos) << r.plan;
+        }
+        if (r.pending.waiting()) finish_weight_gradient_on_device(r.pending, 1.0, 0);
+        EXPECT_EQ(cudaSuccess, cudaDeviceSynchronize());
+        return std::make_pair(r, step.gradients(1.0));
+      };
+      const auto [sync, expected] = run(false, nullptr);
+      const DeviceForwardOutputs out(shape);
+      const auto [async, got] = run(true, &out);
+      EXPECT_TRUE(async.forward.empty()) << "an asynchronous call's forward outputs are on the device";
+      for (const auto& [name, t] : expected) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
+      for (const auto& [name, values] : out.download()) {
+        const auto host = sync.forward.at(name).as<float>();
+        ASSERT_EQ(values.size(), host.size()) << name;
+        for (std::size_t i = 0; i < host.size(); ++i)
+          EXPECT_LE(std::abs(values[i] - host[i]), std::abs(host[i]) * 0x1p-23f + 1e-30f) << name << "[" << i << "]";
+      }
+    }
+}
+
+// What SPEC makes an InputError is, asynchronously, NaN in every forward output, with no access outside the inputs
+// (memcheck runs this test): a target past V, a negative target that is not ignore_index, an empty sequence under
+// empty_sequence = error, no chosen completion token with the NLL term on. An empty sequence under
+// empty_sequence = zero is valid: finite outputs equal to the synchronous call's.
+TEST(CudaBackendAsynchronous, InvalidTargetsMakeEveryForwardOutputNaN) {
+  SKIP_WITHOUT_HILO();
+  const Shape shape = deferred_shapes[0];
+  const std::int64_t T = shape.T, P = shape.P();
+  struct Case {
+    std::string name;
+    std::function<void(Problem&)> edit;
+    bool valid;
+  };
+  const std::vector<Case> cases = {
+      {"target = V", [&](Problem& p) { p.target[5] = shape.V; }, false},
+      {"target = -7", [&](Problem& p) { p.target[T + 9] = -7; }, false},
+      {"an empty sequence", [&](Problem& p) { std::fill_n(p.target.begin() + T, T, p.hp.ignore_index); }, false},
+      {"an empty sequence, empty_sequence = zero",
+       [&](Problem& p) {
+         std::fill_n(p.target.begin() + T, T, p.hp.ignore_index);
+         p.hp.empty_sequence = EmptySequence::zero;
+       },
+       true},
+      {"no chosen completion token, the NLL term on",
+       [&](Problem& p) {
+         std::fill_n(p.target.begin(), P * T, p.hp.ignore_index);
+         p.hp.empty_sequence = EmptySequence::zero;
+         p.hp.compute_nll_loss = true;
+         p.hp.alpha = 1.0;
+       },
+       false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Problem problem = deferred_case(shape, 82);
+    c.edit(problem);
+    Options options = cuda_options();
+    options.validate = false;
+    DeviceStep step(problem, options);
+    DeviceCall call = step.call;
+    call.asynchronous = true;
+    const DeviceForwardOutputs out(shape);
+    out.attach(call);
+    const DeviceResult r = compute_on_device(call);
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    const auto got = out.download();
+    if (!c.valid) {
+      EXPECT_NE(input_error_of([&] { compute_on_device(step.call); }), "(no InputError)") << "SPEC's error, synchronously";
+      for (const auto& [name, values] : got)
+        for (const float value : values) EXPECT_TRUE(std::isnan(value)) << name;
+      continue;
+    }
+    const DeviceResult sync = compute_on_device(step.call);
+    for (const auto& [name, values] : got)
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        const float host = sync.forward.at(name).as<float>()[i];
+        EXPECT_TRUE(std::isfinite(values[i])) << name;
+        EXPECT_LE(std::abs(values[i] - host), std::abs(host) * 0x1p-23f + 1e-30f) << name << "[" << i << "]";
+      }
+  }
+}
+
+// An asynchronous call the backend cannot make is refused with the reason: validation on (the NaN/Inf rule names an
+// element on the host), f16 inputs (their dz scale is planned from the targets on the host), missing output buffers.
+TEST(CudaBackendAsynchronous, RefusedWhereTheHostMustLook) {
+  SKIP_WITHOUT_DEVICE();
+  DeviceStep step(deferred_case(deferred_shapes[0], 83), cuda_options());
+  const DeviceForwardOutputs out(deferred_shapes[0]);
+  DeviceCall call = step.call;
+  call.asynchronous = true;
+  out.attach(call);
+  EXPECT_NE(input_error_of([&] { compute_on_device(call); }).find("validate = false"), std::string::npos);
+  call.options.validate = false;
+  DeviceCall f16 = call;
+  f16.input_dtype = DType::F16;
+  EXPECT_NE(input_error_of([&] { compute_on_device(f16); }).find("f16"), std::string::npos);
+  DeviceCall missing = call;
+  missing.forward_out[3] = 0;
+  EXPECT_NE(input_error_of([&] { compute_on_device(missing); }).find("forward_out"), std::string::npos);
+}
+
 // ---- schedules and budgets ----
 
 // Budgets from the 64 MiB minimum up, on a shape whose one pair (2T = 512 rows) needs ~147 MiB with fp32 logits and
