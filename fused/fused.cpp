@@ -103,6 +103,27 @@ void finish_weight_gradient_on_device(const PendingWeightGradient& pending, doub
 #endif
 }
 
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, DeviceScalar scale,
+                                      std::uintptr_t stream) {
+#if SIMPO_HAVE_CUDA
+  cuda::finish_weight_gradient_on_device(pending, scale, stream);
+#else
+  (void)pending, (void)scale, (void)stream;
+  throw InputError("finish_weight_gradient_on_device: this build has no cuda backend (no nvcc at build time), so "
+                   "nothing was deferred");
+#endif
+}
+
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, DeviceScalar scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream) {
+#if SIMPO_HAVE_CUDA
+  cuda::scale_gradient_on_device(dtype, hi, lo, n, scale, out, device, stream);
+#else
+  (void)dtype, (void)hi, (void)lo, (void)n, (void)scale, (void)out, (void)device, (void)stream;
+  throw InputError("a gradient on a CUDA device, but this build has no cuda backend (no nvcc at build time)");
+#endif
+}
+
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
                               std::uintptr_t out, int device, std::uintptr_t stream) {
 #if SIMPO_HAVE_CUDA

@@ -157,10 +157,22 @@ DeviceResult compute_on_device(const DeviceCall&);
 // finished already) and for a non-finite s.
 void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream);
 
+// A float32 scale on the device, read by the kernels when they run: autograd's grad_output as a tensor, so that
+// backward never synchronizes to learn it. Its value is not checked (a non-finite one gives non-finite gradients).
+struct DeviceScalar {
+  std::uintptr_t address = 0;
+};
+// The same finish with s read on the device.
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, DeviceScalar scale, std::uintptr_t stream);
+
 // out[i] = T(scale (hi[i] + lo[i])) for n elements of dtype T (lo 0: T(scale hi[i])), ordered on `stream` of `device`:
 // a gradient of compute_on_device and its residue (DeviceCall::grad_x_lo...) scaled with one rounding, as if the step
 // had run with grad_scale times `scale`. out may be hi. InputError where the build has no cuda backend.
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream);
+// The same with the scale read on the device; where it is 1, out = hi (nothing written when out is hi): the step's
+// own rounding, which T(hi + lo) can differ from on a tie.
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, DeviceScalar scale,
                               std::uintptr_t out, int device, std::uintptr_t stream);
 
 }  // namespace simpo::fused

@@ -450,7 +450,10 @@ DeviceWorkspace device_workspace(const DeviceCall& c, const Tuning& tuning) {
 
 bool waiting(const PendingWeightGradient& pending) { return pending.state && !pending.state->finished; }
 
-void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
+namespace {
+
+// The deferred GEMM's state, checked as both finishes need: something deferred, not finished yet.
+PendingWeightGradient::State& unfinished(const PendingWeightGradient& pending) {
   if (!pending.state)
     throw InputError("finish_weight_gradient_on_device: nothing was deferred (the call ran its whole step: it did not "
                      "ask for defer_weight_finish, or its plan keeps no bf16 hi/lo pair)");
@@ -458,13 +461,30 @@ void finish_weight_gradient_on_device(const PendingWeightGradient& pending, doub
   if (state.finished)
     throw InputError("finish_weight_gradient_on_device: this grad_weight was finished already (a deferred GEMM takes "
                      "its scale once; its operands are spent)");
+  return state;
+}
+
+}  // namespace
+
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
+  PendingWeightGradient::State& state = unfinished(pending);
   const float s = static_cast<float>(scale);
   if (!std::isfinite(scale) || !std::isfinite(s))
     throw InputError("finish_weight_gradient_on_device: the scale must be finite in fp32, got " +
                      std::to_string(scale));
   SIMPO_CUDA_CHECK(cudaSetDevice(state.device));
   state.finished = true;  // a failed launch leaves the pair half written: never run twice
-  accumulate_hilo_chunk(state.chunk, s, reinterpret_cast<cudaStream_t>(stream));
+  accumulate_hilo_chunk(state.chunk, Scale{.value = s}, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, DeviceScalar scale, std::uintptr_t stream) {
+  PendingWeightGradient::State& state = unfinished(pending);
+  if (!scale.address || scale.address % 4 != 0)
+    throw InputError("finish_weight_gradient_on_device: the scale must be a 4-byte aligned float on the device");
+  SIMPO_CUDA_CHECK(cudaSetDevice(state.device));
+  state.finished = true;
+  accumulate_hilo_chunk(state.chunk, Scale{.device = reinterpret_cast<const float*>(scale.address)},
+                        reinterpret_cast<cudaStream_t>(stream));
 }
 
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
@@ -476,6 +496,20 @@ void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo,
   with_element_type(dtype, [&]<class T>(T) {
     launch_scale(reinterpret_cast<const T*>(hi), reinterpret_cast<const T*>(lo), n, scale,
                  reinterpret_cast<T*>(out), reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, DeviceScalar scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream) {
+  if (!is_input_dtype(dtype)) throw InputError("scale_gradient_on_device: the dtype must be bf16, f16 or f32");
+  if (!hi || !out || n < 0) throw InputError("scale_gradient_on_device: hi and out must be device pointers, n >= 0");
+  if (!scale.address || scale.address % 4 != 0)
+    throw InputError("scale_gradient_on_device: the scale must be a 4-byte aligned float on the device");
+  SIMPO_CUDA_CHECK(cudaSetDevice(device));
+  with_element_type(dtype, [&]<class T>(T) {
+    launch_scale(reinterpret_cast<const T*>(hi), reinterpret_cast<const T*>(lo), n,
+                 reinterpret_cast<const float*>(scale.address), reinterpret_cast<T*>(out),
+                 reinterpret_cast<cudaStream_t>(stream));
   });
 }
 

@@ -34,7 +34,10 @@ DeviceWorkspace device_workspace(const DeviceCall&);
 DeviceWorkspace device_workspace(const DeviceCall&, const Tuning&);
 bool waiting(const PendingWeightGradient&);
 void finish_weight_gradient_on_device(const PendingWeightGradient&, double scale, std::uintptr_t stream);
+void finish_weight_gradient_on_device(const PendingWeightGradient&, DeviceScalar scale, std::uintptr_t stream);
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
+                              std::uintptr_t out, int device, std::uintptr_t stream);
+void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, DeviceScalar scale,
                               std::uintptr_t out, int device, std::uintptr_t stream);
 
 // SPEC's outputs for a host problem: its inputs copied to the device, compute_on_device, the outputs copied back.

@@ -99,7 +99,7 @@ struct HiLoChunk {
   void* gemm_scratch = nullptr;
   std::size_t gemm_scratch_bytes = 0;
 };
-void accumulate_hilo_chunk(const HiLoChunk&, float scale, cudaStream_t);
+void accumulate_hilo_chunk(const HiLoChunk&, Scale scale, cudaStream_t);
 
 // Caller-owned memory for a run (fused.h: DeviceCall::workspace): the plan's workspace, then its accumulator from
 // StepPlan::accumulator_offset(); at least StepPlan::caller_workspace_bytes(), 256-byte aligned.

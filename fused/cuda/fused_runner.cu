@@ -35,7 +35,7 @@ DeviceFeatures device_features() {
 
 // The GEMM over whole groups of 8 rows of W (TMA along V), hilo_tail_kernel over the last V % 8, then the target
 // term, per target once, after both (each reads and writes the pair).
-void accumulate_hilo_chunk(const HiLoChunk& c, float scale, cudaStream_t stream) {
+void accumulate_hilo_chunk(const HiLoChunk& c, Scale scale, cudaStream_t stream) {
   const std::int64_t V8 = c.V / 8 * 8;
   hilo_accumulate_grad_weight(c.rows, V8, c.H, c.dz, c.ld_dz, c.x, c.ld_x, c.hi, c.lo, c.H, c.overwrite, scale, stream,
                               c.gemm_scratch, c.gemm_scratch_bytes);
@@ -256,7 +256,7 @@ class ChunkedStep {
                         .target_coef = rows_.target_coef, .hi = hi_, .lo = lo_, .overwrite = first_weight_gemm_,
                         .gemm_scratch = gemm_scratch_, .gemm_scratch_bytes = static_cast<std::size_t>(l_.gemm_bytes)};
         if (last && deferred_) defer(c, chunk, *deferred_);
-        else accumulate_hilo_chunk(chunk, 1.0f, stream_);
+        else accumulate_hilo_chunk(chunk, Scale{}, stream_);
       }
     }
     if (!hi_) {

@@ -116,7 +116,7 @@ struct HiLoGemm {
   static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t M, std::int64_t N,
                                             const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x,
                                             std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo,
-                                            std::int64_t ld_w, bool overwrite, float scale) {
+                                            std::int64_t ld_w, bool overwrite, Scale scale) {
     typename Mainloop::StrideA stride_a{Int<1>{}, ld_dz, 0};
     typename Mainloop::StrideB stride_b{Int<1>{}, ld_x, 0};
     StrideW stride_w{ld_w, Int<1>{}, 0};
@@ -134,7 +134,7 @@ struct HiLoGemm {
     typename Callbacks::Arguments thread{
         {                                               // EVT<HiStore, Scaled>
          {                                              // Scaled
-          {{scale}},                                    //   scale
+          {{scale.value}, {scale.device}},              //   scale (from the device where it is there)
           {                                             //   Sum
            {{overwrite ? 0.0f : 1.0f}},                 //     beta
            {},                                          //     C = lo
@@ -154,7 +154,7 @@ struct HiLoGemm {
 
   static void run(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz, std::int64_t ld_dz,
                   const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
-                  bool overwrite, float scale, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
+                  bool overwrite, Scale scale, cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
     const auto args = arguments(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, scale);
     Gemm gemm;
     if (Gemm::get_workspace_size(args) > workspace_bytes)
@@ -187,7 +187,7 @@ bool hilo_gemm_available() { return promoted_logits_available(); }
 
 void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
                                  std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
-                                 __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, float scale, cudaStream_t stream,
+                                 __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, Scale scale, cudaStream_t stream,
                                  void* workspace, std::size_t workspace_bytes) {
   if (rows == 0 || M == 0 || N == 0) return;
   if (M % 8 != 0 || N % 8 != 0 || ld_dz % 8 != 0 || ld_x % 8 != 0 || ld_w % 8 != 0)
@@ -203,7 +203,7 @@ void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t
 bool hilo_gemm_available() { return false; }
 void hilo_accumulate_grad_weight(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, std::int64_t,
                                  const __nv_bfloat16*, std::int64_t, __nv_bfloat16*, __nv_bfloat16*, std::int64_t, bool,
-                                 float, cudaStream_t, void*, std::size_t) {
+                                 Scale, cudaStream_t, void*, std::size_t) {
   throw CudaError("hi/lo weight GEMM: not built (needs CUTLASS and an sm_90a target)");
 }
 

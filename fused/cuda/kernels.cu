@@ -113,6 +113,9 @@ __global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStats
   rowsum[r] = total_sum;
 }
 
+// A Scale's factor, read where the kernel runs.
+__device__ inline float value_of(const Scale& s) { return s.device != nullptr ? *s.device : s.value; }
+
 // ---- per pair ----
 // One block per pair: the two sequences' sums of m l (double), then thread 0 does the pair's scalar math.
 __global__ void __launch_bounds__(kRowThreads) pair_math_kernel(PairParams p, std::int64_t pair_begin,
@@ -352,9 +355,10 @@ __global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, st
                                                                       std::int64_t H, ChunkRows c,
                                                                       const std::int64_t* target, const float* coef,
                                                                       __nv_bfloat16* hi, __nv_bfloat16* lo, float* f32,
-                                                                      std::int64_t ld_w, float scale) {
+                                                                      std::int64_t ld_w, Scale scale_of) {
   const std::int64_t n = c.rows[0] + c.rows[1], j = blockIdx.x, r = chunk_row(c, j);
   if (coef[r] == 0.0f) return;  // block-uniform
+  const float scale = value_of(scale_of);
   const std::int64_t t = target[r];
   bool earlier = false;
   for (std::int64_t i = threadIdx.x; i < j; i += kRowThreads) {
@@ -418,9 +422,10 @@ __global__ void __launch_bounds__(kRowThreads) hilo_tail_kernel(std::int64_t row
                                                                const __nv_bfloat16* dz, std::int64_t ld_dz,
                                                                const __nv_bfloat16* x, std::int64_t ld_x,
                                                                __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w,
-                                                               bool overwrite, float scale) {
+                                                               bool overwrite, Scale scale_of) {
   const std::int64_t v = v_begin + blockIdx.x, h = std::int64_t(blockIdx.y) * kRowThreads + threadIdx.x;
   if (h >= H) return;
+  const float scale = value_of(scale_of);
   float sum = 0.0f;
   for (std::int64_t r = 0; r < rows; ++r) sum += __bfloat162float(dz[r * ld_dz + v]) * __bfloat162float(x[r * ld_x + h]);
   __nv_bfloat16 *hv = hi + v * ld_w + h, *lv = lo + v * ld_w + h;
@@ -452,8 +457,21 @@ __global__ void __launch_bounds__(kRowThreads) round_to_kernel(const float* in, 
 // rounding that matters is the last (an f32 output, which has no residue, is rounded twice: ~1 u32 more).
 // kVector: 8 elements per thread and step in 16-byte accesses (n % 8 == 0, every pointer 16-byte aligned), so the
 // pass runs at memory bandwidth.
+// scale_device (or null: `scale`): a scale on the device; at 1 there, out = hi.
 template <bool kVector, class T>
-__global__ void scale_kernel(const T* hi, const T* lo, std::int64_t n, double scale, T* out) {
+__global__ void scale_kernel(const T* hi, const T* lo, std::int64_t n, double scale, const float* scale_device,
+                             T* out) {
+  if (scale_device != nullptr) {
+    const float s = *scale_device;
+    if (s == 1.0f) {
+      if (out != hi)
+        for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+             i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+          out[i] = hi[i];
+      return;
+    }
+    scale = s;
+  }
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   if constexpr (kVector) {
@@ -595,15 +613,26 @@ void launch_round_to(const float* in, std::int64_t ld_in, std::int64_t rows, std
 }
 
 template <class T>
-void launch_scale(const T* hi, const T* lo, std::int64_t n, double scale, T* out, cudaStream_t stream) {
+void launch_scale_kernel(const T* hi, const T* lo, std::int64_t n, double scale, const float* scale_device, T* out,
+                         cudaStream_t stream) {
   if (n == 0) return;
   auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   const bool vector = n % 8 == 0 && aligned(hi) && aligned(lo) && aligned(out);
   const std::int64_t work = vector ? n / 8 : n;
   const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((work + 255) / 256, 132 * 16));
-  if (vector) scale_kernel<true><<<blocks, 256, 0, stream>>>(hi, lo, n, scale, out);
-  else scale_kernel<false><<<blocks, 256, 0, stream>>>(hi, lo, n, scale, out);
+  if (vector) scale_kernel<true><<<blocks, 256, 0, stream>>>(hi, lo, n, scale, scale_device, out);
+  else scale_kernel<false><<<blocks, 256, 0, stream>>>(hi, lo, n, scale, scale_device, out);
   SIMPO_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void launch_scale(const T* hi, const T* lo, std::int64_t n, double scale, T* out, cudaStream_t stream) {
+  launch_scale_kernel(hi, lo, n, scale, nullptr, out, stream);
+}
+
+template <class T>
+void launch_scale(const T* hi, const T* lo, std::int64_t n, const float* scale, T* out, cudaStream_t stream) {
+  launch_scale_kernel(hi, lo, n, 1.0, scale, out, stream);
 }
 
 template <class T>
@@ -619,7 +648,7 @@ void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const Chu
 
 void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_end, std::int64_t H,
                       const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
-                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, float scale,
+                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, Scale scale,
                       cudaStream_t stream) {
   if (rows == 0 || v_end <= v_begin || H == 0) return;
   const dim3 grid(static_cast<unsigned>(v_end - v_begin), static_cast<unsigned>((H + kRowThreads - 1) / kRowThreads));
@@ -639,7 +668,8 @@ void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_en
   template void launch_target_rows<T>(const T*, std::int64_t, std::int64_t, const ChunkRows&, const std::int64_t*,   \
                                       const float*, const TargetRowsSink&, cudaStream_t);                            \
   template void launch_round_to<T>(const float*, std::int64_t, std::int64_t, std::int64_t, T*, cudaStream_t, T*);    \
-  template void launch_scale<T>(const T*, const T*, std::int64_t, double, T*, cudaStream_t);
+  template void launch_scale<T>(const T*, const T*, std::int64_t, double, T*, cudaStream_t);                       \
+  template void launch_scale<T>(const T*, const T*, std::int64_t, const float*, T*, cudaStream_t);
 SIMPO_ROW_KERNELS_FOR(__nv_bfloat16)
 SIMPO_ROW_KERNELS_FOR(__half)
 SIMPO_ROW_KERNELS_FOR(float)

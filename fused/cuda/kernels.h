@@ -147,6 +147,13 @@ void launch_bias_column_sums(const T* dz, std::int64_t ld_dz, const ChunkRows& r
                              std::int64_t column_begin, const std::int64_t* target, const float* target_coef,
                              float* grad_bias, cudaStream_t, float dz_scale = 1.0f);
 
+// A scale factor: `value`, or where `device` is set the float there, read by the kernels when they run (a loss scale
+// that stays on the device, autograd's grad_output, so that backward need not synchronize to learn it).
+struct Scale {
+  float value = 1.0f;
+  const float* device = nullptr;
+};
+
 // Where the target term goes: the bf16 hi/lo pair (hilo_gemm.h; hi, lo [V, ld_w]) or an fp32 accumulator [V, ld_w].
 // Each target's sum is added times `scale` (1 but for a deferred finish's loss scale: fused.h,
 // finish_weight_gradient_on_device).
@@ -155,7 +162,7 @@ struct TargetRowsSink {
   __nv_bfloat16* lo = nullptr;
   float* f32 = nullptr;
   std::int64_t ld_w = 0;
-  float scale = 1.0f;
+  Scale scale;
 };
 // The target term grad_W[target[r]] += c[r] x[r] over the chunk's rows, summed per target in fp32 in chunk order
 // and added into the sink once per target (deterministic, no atomics). The bias's target term is
@@ -170,7 +177,7 @@ void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const Chu
 // chunk's rows), scaled as the GEMM's epilogue scales (hilo_gemm.h).
 void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_end, std::int64_t H,
                       const __nv_bfloat16* dz, std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x,
-                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, float scale,
+                      __nv_bfloat16* hi, __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, Scale scale,
                       cudaStream_t);
 
 // out[r, c] = T(in[r, c]) for a [rows, ld_in] fp32 matrix into a dense [rows, cols] one (T = float: a copy), and
@@ -182,5 +189,9 @@ void launch_round_to(const float* in, std::int64_t ld_in, std::int64_t rows, std
 // out[i] = T(scale (hi[i] + lo[i])) (lo null: T(scale hi[i])), i < n; out may be hi (fused.h: scale_gradient_on_device).
 template <class T>
 void launch_scale(const T* hi, const T* lo, std::int64_t n, double scale, T* out, cudaStream_t);
+// The same with the scale a float on the device; where it is 1, out = hi (nothing written when out is hi): the
+// step's own rounding, which T(hi + lo) can differ from on a tie.
+template <class T>
+void launch_scale(const T* hi, const T* lo, std::int64_t n, const float* scale, T* out, cudaStream_t);
 
 }  // namespace simpo::fused::cuda

@@ -178,6 +178,39 @@ def finish_weight_gradient(pending, workspace, scale):
         workspace.record_stream(stream)  # the GEMM reads it on this stream: torch frees it only after
 
 
+def _device_scale(scale, like):
+    """A float32 scalar tensor on like's device holding `scale` (a tensor there: grad_output), not read by the host."""
+    import torch
+
+    return scale.detach().to(device=like.device, dtype=torch.float32).reshape(()).contiguous()
+
+
+def finish_weight_gradient_by(pending, workspace, scale):
+    """finish_weight_gradient with the scale a tensor on the device (grad_output), read by the kernels: backward
+    needs no synchronization."""
+    import torch
+
+    dev = workspace.device
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev)
+        s = _device_scale(scale, workspace)
+        _core.finish_weight_gradient_by(pending, s.data_ptr(), stream.cuda_stream)
+        workspace.record_stream(stream)
+
+
+def scale_gradient_(hi, lo, scale):
+    """hi = T(scale (hi + lo)) in place, the scale a tensor on the device (grad_output); at 1 hi is left as it is.
+    Returns hi."""
+    import torch
+
+    dev = hi.device
+    with torch.cuda.device(dev):
+        s = _device_scale(scale, hi)
+        _core.scale_gradient_by(_dtype_name(hi), hi.data_ptr(), 0 if lo is None else lo.data_ptr(), hi.numel(),
+                                s.data_ptr(), hi.data_ptr(), dev.index, torch.cuda.current_stream(dev).cuda_stream)
+    return hi
+
+
 def scale_gradient(hi, lo, scale):
     """A new tensor T(scale (hi + lo)) on hi's device and current stream: one rounding (lo None: T(scale hi)). At
     scale 1, hi's values: the step's own rounding, which T(hi + lo) can differ from on a tie."""

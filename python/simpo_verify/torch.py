@@ -7,16 +7,19 @@
 
 Backends: CUDA tensors run the fused cuda backend on the device, ordered on torch's current stream, with no copy
 through the host (the targets, B*T int64, are read by the host for validation and the per-sequence math, one
-synchronization per call; with validate=False nothing is, see below); CPU tensors run the fused cpu backend. Gradients come from autograd: the forward computes them (3 GEMMs, as Liger
-does) for the inputs that require grad when grad mode is on: a frozen input (requires_grad False: a LoRA model's LM
-head, frozen hidden states) costs no gradient GEMM, and under torch.no_grad() or torch.inference_mode() the
-forward-only schedule runs (one GEMM). backward hands them over scaled by grad_output, which is SPEC's grad_scale,
-one rounding as if the step had run at that scale, with no second kernel run. grad_weight of bf16 on the sm_90a
-kernels (the bf16 hi/lo pair) leaves its last chunk's GEMM to backward, which runs it with grad_output in its
-epilogue: a grad_output of 1/3 (gradient accumulation's loss / n) costs what 1 costs, where scaling the finished
-[V, H] gradient would read and write it once more; its workspace (that chunk's dz and x rows, the pair's lo) comes
-from torch's allocator and is held from forward to backward. The other 16-bit gradients keep their rounding residue
-and backward returns T(grad_output (hi + lo)) (N*H and V elements). CPU tensors recompute at grad_output != 1.
+synchronization per call; with validate=False nothing is, see below); CPU tensors run the fused cpu backend.
+Gradients come from autograd: the forward computes them (3 GEMMs, as Liger does) for the inputs that require grad
+when grad mode is on: a frozen input (requires_grad False: a LoRA model's LM head, frozen hidden states) costs no
+gradient GEMM, and under torch.no_grad() or torch.inference_mode() the forward-only schedule runs (one GEMM).
+backward hands them over scaled by grad_output, which is SPEC's grad_scale, one rounding as if the step had run at
+that scale, with no second kernel run. grad_weight of bf16 on the sm_90a kernels (the bf16 hi/lo pair) leaves its
+last chunk's GEMM to backward, which runs it with grad_output in its epilogue, read there on the device (that
+backward never synchronizes; with validate=False neither does the forward, so the whole step runs ahead of the
+device as torch's own ops do): a grad_output of 1/3 (gradient accumulation's loss / n) costs what 1 costs, where
+scaling the finished [V, H] gradient would read and write it once more; its workspace (that chunk's dz and x rows,
+the pair's lo) comes from torch's allocator and is held from forward to backward. The other 16-bit gradients keep
+their rounding residue and backward returns T(grad_output (hi + lo)) (N*H and V elements). CPU tensors recompute at
+grad_output != 1.
 
 Dtype policy: x, weight and bias share one dtype, torch.bfloat16, torch.float16 or torch.float32 (SPEC's input
 dtypes), computed in that dtype, never converted: bf16 on the sm_90a kernels, f16 on the tensor cores through
@@ -102,20 +105,23 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
         if grad_loss is None:  # (materialize_grads off) no gradient reached the loss: none for the inputs
             return (None,) * 7
         _input, weight, target, bias, grad_x, grad_weight, grad_bias, x_lo, w_lo, b_lo = ctx.saved_tensors
-        scale = float(grad_loss)  # one scalar read; the forward already synchronized
         deferred = ctx.deferred
+        if deferred is not None and deferred is not _FINISHED:
+            # grad_weight's last GEMM waited for this scale (SPEC's grad_scale = grad_output): T(scale sum) in place,
+            # one rounding, the same bits as the undeferred step at 1. grad_x and grad_bias from their residues, in
+            # place (at 1 untouched). The kernels read grad_output on the device: no synchronization.
+            ctx.deferred = _FINISHED
+            _device.finish_weight_gradient_by(*deferred, grad_loss)
+            grad_x, grad_bias = (_device.scale_gradient_(g, lo, grad_loss) if g is not None else None
+                                 for g, lo in ((grad_x, x_lo), (grad_bias, b_lo)))
+            return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
+                    None, grad_bias if ctx.has_bias and ctx.needs_input_grad[3] else None, None, None, None)
+        scale = float(grad_loss)  # one scalar read
         if deferred is _FINISHED:
             # A second backward through the graph (retain_graph): the deferred GEMM took the first one's scale into
-            # grad_weight, so the step runs again at this one (exact, slower).
+            # grad_weight and grad_x and grad_bias were scaled in place, so the step runs again at this one (exact,
+            # slower).
             grad_x, grad_weight, grad_bias = _rerun(ctx, _input, weight, target, bias, scale)
-        elif deferred is not None:
-            # grad_weight's last GEMM waited for this scale (SPEC's grad_scale = grad_output): T(scale sum) in place,
-            # one rounding, the same bits as the undeferred step at 1. grad_x and grad_bias from their residues.
-            ctx.deferred = _FINISHED
-            _device.finish_weight_gradient(*deferred, scale)
-            if scale != 1.0:
-                grad_x, grad_bias = (_device.scale_gradient(g, lo, scale) if g is not None else None
-                                     for g, lo in ((grad_x, x_lo), (grad_bias, b_lo)))
         elif scale != 1.0 and _input.is_cuda:
             # SPEC's grad_scale = grad_output, from the kept rounding residues: T(scale (hi + lo)), one rounding,
             # no second kernel run (gradient accumulation's loss / n, a loss weight, a negative sign).

@@ -574,6 +574,19 @@ NB_MODULE(_core, m) {
     simpo::fused::scale_gradient_on_device(simpo::input_dtype_from_name(dtype), hi, lo, n, scale, out, device, stream);
   }, "dtype"_a, "hi"_a, "lo"_a, "n"_a, "scale"_a, "out"_a, "device"_a, "stream"_a);
 
+  // Both with the scale a float32 on the device (its address): autograd's grad_output, never read by the host.
+  m.def("finish_weight_gradient_by", [](const simpo::fused::PendingWeightGradient& pending, std::uintptr_t scale,
+                                        std::uintptr_t stream) {
+    nb::gil_scoped_release release;
+    simpo::fused::finish_weight_gradient_on_device(pending, simpo::fused::DeviceScalar{scale}, stream);
+  }, "pending"_a, "scale"_a, "stream"_a);
+  m.def("scale_gradient_by", [](const std::string& dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n,
+                                std::uintptr_t scale, std::uintptr_t out, int device, std::uintptr_t stream) {
+    nb::gil_scoped_release release;
+    simpo::fused::scale_gradient_on_device(simpo::input_dtype_from_name(dtype), hi, lo, n,
+                                           simpo::fused::DeviceScalar{scale}, out, device, stream);
+  }, "dtype"_a, "hi"_a, "lo"_a, "n"_a, "scale"_a, "out"_a, "device"_a, "stream"_a);
+
   m.def("reference", [](const Problem& p, bool gradients) {
     simpo::reference::Options o;
     o.gradients = gradients;

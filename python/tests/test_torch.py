@@ -192,6 +192,22 @@ def test_validate_false_is_asynchronous_with_the_same_results(dtype):
         FusedLinearSimPOLoss()(w, x, t_bad, b)
 
 
+@pytest.mark.skipif("cuda" not in DEVICES or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the deferred weight GEMM runs on the sm_90a kernels (compute capability 9.0)")
+def test_backward_reads_grad_output_on_the_device():
+    # The deferred finish and the residues' scaling read grad_output where they run: behind half a second of queued
+    # device work, a step with validate=False (forward and backward) returns before the stream is done.
+    x, w, t, b = make("cuda", B=4, T=64, H=256, V=4096)
+    xg, wg, bg = (a.detach().clone().requires_grad_(True) for a in (x, w, b))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e9))
+    loss, _ = FusedLinearSimPOLoss(validate=False)(wg, xg, t, bg)
+    (loss / 3).backward()
+    assert not torch.cuda.current_stream().query(), "the step waited for the device"
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(g).all() for g in (xg.grad, wg.grad, bg.grad))
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device or no cuda backend in this build")
 def test_cuda_tensors_stay_on_device_and_compute_matches_host():
     x, w, t, b = make("cuda", H=37)  # H not a multiple of 8: the padded-copy path

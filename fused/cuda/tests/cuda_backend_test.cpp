@@ -302,7 +302,7 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
       ASSERT_EQ(cudaMemcpy(x_d.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       cuda::hilo_accumulate_grad_weight(K, M, N, dz_d.as<__nv_bfloat16>(), ld_dz, x_d.as<__nv_bfloat16>(), N,
                                         hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), N, /*overwrite=*/i == 0,
-                                        /*scale=*/1.0f, stream, scratch.get(), scratch.bytes());
+                                        cuda::Scale{}, stream, scratch.get(), scratch.bytes());
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       for (std::int64_t m = 0; m < M; ++m)
         for (std::int64_t n = 0; n < N; ++n) {
@@ -695,6 +695,39 @@ std::string input_error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "(no InputError)";
+}
+
+// The scale on the device (DeviceScalar: autograd's grad_output, never read by the host) gives the host scale's bits:
+// the finish's GEMM epilogue, tail and target rows read the same float, and grad_x and grad_bias scaled in place from
+// their residues equal scale_gradient_on_device's new tensors (at 1 left as they are: the step's own rounding).
+TEST(CudaBackendDeferredWeight, AScaleOnTheDeviceIsTheHostScale) {
+  SKIP_WITHOUT_HILO();
+  DeviceStep step(deferred_case(deferred_shapes[1], 77), cuda_options());
+  const Shape& s = step.problem.shape;
+  for (const float scale : {1.0f, 1.0f / 3.0f, -1e-4f}) {
+    SCOPED_TRACE("grad_output " + std::to_string(scale));
+    const DeviceResult host = step.run(true);
+    finish_weight_gradient_on_device(host.pending, static_cast<double>(scale), 0);
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    const TensorMap expected = step.gradients(scale);
+
+    cuda::DeviceBuffer on_device(4, "grad_output");
+    ASSERT_EQ(cudaSuccess, cudaMemcpy(on_device.get(), &scale, 4, cudaMemcpyHostToDevice));
+    const DeviceScalar device_scale{address(on_device)};
+    const DeviceResult device = step.run(true);
+    finish_weight_gradient_on_device(device.pending, device_scale, 0);
+    scale_gradient_on_device(DType::BF16, address(step.grad_x), address(step.grad_x_lo), s.N() * s.H, device_scale,
+                             address(step.grad_x), 0, 0);
+    scale_gradient_on_device(DType::BF16, address(step.grad_bias), address(step.grad_bias_lo), s.V, device_scale,
+                             address(step.grad_bias), 0, 0);
+    ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
+    const TensorMap got = step.gradients(1.0);  // scaled already: downloaded as they are
+    for (const auto& [name, t] : expected) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
+  }
+  EXPECT_NE(input_error_of([&] { finish_weight_gradient_on_device(step.run(true).pending, DeviceScalar{}, 0); })
+                .find("float on the device"),
+            std::string::npos);
+  ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
 }
 
 // Misuse is an InputError that says what to do; where the pair does not run (f16 inputs, an fp32 grad_weight)
