@@ -445,7 +445,7 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
                     float* grad_x_sum, cudaStream_t stream) {
   const Shape& s = p.shape;
   const Hyperparameters& hp = p.hp;
-  const std::int64_t N = s.N(), B = s.B, P = s.P(), V = s.V, H = s.H, ld_h = p.ld_h, tiles = statistics_tiles(V);
+  const std::int64_t N = s.N(), P = s.P(), V = s.V, H = s.H, ld_h = p.ld_h, tiles = statistics_tiles(V);
   const SlicedLayout& l = plan.sliced;
   const std::int64_t C = l.slice_columns, R = l.block_rows;
   const RowArrays rows(base, plan.layout);
