@@ -4,8 +4,8 @@
 // and the RMS relative error, for
 //   cuBLAS CUBLAS_COMPUTE_32F        (tensor cores; the backend's sliced path),
 //   cuBLAS CUBLAS_COMPUTE_32F_PEDANTIC (IEEE fp32 throughout, slow),
-//   the promoted GEMM (promoted_gemm.h; sm_90 with CUTLASS) for each compiled variant, promoting every
-//   128 / 256 k or never,
+//   the promoted GEMM (promoted_gemm.h; sm_90 with CUTLASS), promoting every 64 / 128 / 256 / 512 k (the
+//   interval trades the drains of the wgmma queue against the bias of a longer tensor-core accumulation),
 // then checks the promoted GEMM at odd shapes (every element written, against fp64), then times each at the
 // published workload's shapes next to the bf16-output cuBLAS GEMM (the floor torch runs).
 //   gemm_accuracy [--quick]   (--quick: accuracy and odd shapes only)
@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
         {"cuBLAS 32F", [&](const HostCase& c, auto x, auto w, float* z) { cublas_logits(h, CUBLAS_COMPUTE_32F, c.M, c.N, c.K, x, w, z, c.ldz); }},
         {"cuBLAS PEDANTIC", [&](const HostCase& c, auto x, auto w, float* z) { cublas_logits(h, CUBLAS_COMPUTE_32F_PEDANTIC, c.M, c.N, c.K, x, w, z, c.ldz); }},
     };
-    for (std::int64_t pk : {std::int64_t{256}, std::int64_t{128}, std::int64_t{64}})
+    for (std::int64_t pk : {std::int64_t{512}, std::int64_t{256}, std::int64_t{128}, std::int64_t{64}})
       if (promoted)
         candidates.push_back({"promoted every " + std::to_string(pk), [&, pk](const HostCase& c, auto x, auto w, float* z) {
                                 promoted_logits(c.M, c.N, c.K, x, w, z, c.ldz, pk, nullptr, scratch.get(), scratch.bytes());
@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
     time_both("cuBLAS 32F, fp32 out", [&](int M) {
       cublas_logits(h, CUBLAS_COMPUTE_32F, M, N, K, dx.as<__nv_bfloat16>(), dw.as<__nv_bfloat16>(), dz.get(), N);
     });
-    for (std::int64_t pk : {std::int64_t{256}, std::int64_t{128}})
+    for (std::int64_t pk : {std::int64_t{512}, std::int64_t{256}, std::int64_t{128}})
       if (promoted)
         time_both("promoted every " + std::to_string(pk), [&](int M) {
           promoted_logits(M, N, K, dx.as<__nv_bfloat16>(), dw.as<__nv_bfloat16>(), dz.as<float>(), N, pk, nullptr,
