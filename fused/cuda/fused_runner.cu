@@ -264,7 +264,7 @@ class ChunkedStep {
                                     /*overwrite=*/first_weight_gemm_, alpha);
       // The one-hot term, per target once, after the GEMM (each reads and writes the accumulator's row).
       launch_target_rows(p_.x, ld_h, H, chunk_rows, p_.target, rows_.target_coef,
-                         TargetRowsSink{.f32 = grad_weight_f32_, .ld_w = ld_h}, stream_);
+                         TargetRowsSink{.f32 = grad_weight_f32_, .ld_w = ld_h, .scale = {}}, stream_);
     }
     first_weight_gemm_ = false;
     if (g_->grad_bias)
