@@ -74,6 +74,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-chunk-rows", max_chunk_rows, "cap on rows per chunk (0: the plan's)")->capture_default_str();
   app.add_option("--logits-k-slice", logits_k_slice, "Options::logits_k_slice (k per promotion / cuBLAS slice; 0: one GEMM)")
       ->capture_default_str();
+  std::int64_t against_k_slice = -1;
+  app.add_option("--against-logits-k-slice", against_k_slice,
+                 "also time the step with this logits_k_slice in turns with this run's, and print their ratio "
+                 "(a kernel variant against the default in one process: -1, off)")
+      ->capture_default_str();
   app.add_flag("--cublas-logits", tuning.cublas_logits, "the logits through cuBLAS even where the promoted GEMM runs");
   bool logit_distances = Options{}.logit_distances;
   app.add_flag("--logit-distances", logit_distances, "the full step keeps 16-bit logit distances");
@@ -203,6 +208,25 @@ int main(int argc, char** argv) {
                                                                time_it(stream, warmup, reps, floor_logits)}
                                          : time_interleaved(stream, warmup, reps, {fused_forward, floor_logits});
       const std::string forward_schedule = runner.last_report().schedule.to_string();
+      // --against-logits-k-slice: the other interval's step and forward in turns with this one's (same runner,
+      // inputs and outputs; the interval changes no buffer), so their ratio is free of the drift between runs.
+      std::string against;
+      if (against_k_slice >= 0) {
+        Options other = options, other_forward = forward_options;
+        other.logits_k_slice = other_forward.logits_k_slice = against_k_slice;
+        const auto ab_full = time_interleaved(
+            stream, warmup, reps, {fused_step, [&] { runner.run(problem, &gradients, other, tuning); }});
+        const auto ab_fwd = time_interleaved(
+            stream, warmup, reps, {fused_forward, [&] { runner.run(problem, nullptr, other_forward, tuning); }});
+        char line[256];
+        std::snprintf(line, sizeof line,
+                      "     in turns, logits_k_slice %lld against this: forward %.3f / %.3f ms = %.4f, full %.3f / "
+                      "%.3f ms = %.4f\n",
+                      (long long)against_k_slice, ab_fwd[1].median_ms, ab_fwd[0].median_ms,
+                      ab_fwd[1].median_ms / ab_fwd[0].median_ms, ab_full[1].median_ms, ab_full[0].median_ms,
+                      ab_full[1].median_ms / ab_full[0].median_ms);
+        against = line;
+      }
       const Timing full = full_pair[0], floor_full = full_pair[1], forward = fwd_pair[0], floor_fwd = fwd_pair[1];
       SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
       cublasDestroy(blas);
@@ -229,6 +253,7 @@ int main(int argc, char** argv) {
                   flops_fwd / floor_fwd.median_ms / 1e9, 3 * flops_fwd / floor_full.median_ms / 1e9,
                   3 * flops_fwd / full.median_ms / 1e9, f32_fwd.median_ms, f32_full.median_ms);
       std::printf("     forward: %s\n", forward_schedule.c_str());
+      std::printf("%s", against.c_str());
       std::printf("JSON {\"B\": %lld, \"floor_fwd_ms\": %.4f, \"fused_fwd_ms\": %.4f, \"floor_full_ms\": %.4f, "
                   "\"fused_full_ms\": %.4f, \"extra_mib\": %.1f, \"logits\": \"%s\", \"grad_w\": \"%s\", "
                   "\"workspace_mib\": %lld, \"workspace_used_mib\": %.1f, \"accumulator_mib\": %.1f}\n",
