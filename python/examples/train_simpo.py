@@ -103,7 +103,7 @@ def trl_simpo(hidden, weight, labels, bias, hp, logsoftmax_fp32):
 # hidden[:, :-1] and labels[:, 1:] (Liger's chunk_forward applies no shift; TRL's get_batch_logps does).
 # ---------------------------------------------------------------------------------------------------------------
 
-def make_ways(names, hp, device, logsoftmax_fp32):
+def make_ways(names, hp, device, logsoftmax_fp32, ours_validate=True):
     ways = {}
     fused_kw = dict(ignore_index=IGNORE, beta=hp["beta"], alpha=hp["alpha"], label_smoothing=hp["label_smoothing"],
                     compute_nll_loss=hp["compute_nll_loss"], gamma=hp["gamma"])
@@ -119,7 +119,8 @@ def make_ways(names, hp, device, logsoftmax_fp32):
     if "ours" in names:
         from simpo_verify.torch import FusedLinearSimPOLoss
 
-        ours = FusedLinearSimPOLoss(**fused_kw)
+        # validate=False: no host synchronization on CUDA (the asynchronous call; fused/cuda/README.md)
+        ours = FusedLinearSimPOLoss(validate=ours_validate, **fused_kw)
         ways["ours"] = lambda h, head, y: ours(head.weight, h[:, :-1], y[:, 1:], head.bias)
     return ways
 
@@ -218,6 +219,9 @@ def parse_args(argv=None):
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per step, each backward of loss / n")
     p.add_argument("--compile", action="store_true", help="torch.compile each way's model forward + loss")
     p.add_argument("--ways", default="trl,liger,ours", help="comma-separated subset of trl, liger, ours")
+    p.add_argument("--ours-validate", choices=("on", "off"), default="on",
+                   help="ours with SPEC's input checks (on, the default: one host synchronization per call on CUDA) "
+                        "or without (off: validate=False, the asynchronous call)")
     p.add_argument("--out", default=None, help="folder for the JSON and the PNG (none: print only)")
     p.add_argument("--tag", default=None, help="file name tag (default: dtype, accumulation, compile)")
     p.add_argument("--layers", type=int, default=4)
@@ -322,7 +326,7 @@ def main(argv=None):
             skipped["liger"] = f"liger_kernel does not import here: {type(e).__name__}: {e}"
             print(f"skipping liger: {skipped['liger']}", flush=True)
     names = [w for w in a.ways if w not in skipped]
-    ways = make_ways(names, hp, device, a.trl_logsoftmax == "fp32")
+    ways = make_ways(names, hp, device, a.trl_logsoftmax == "fp32", a.ours_validate == "on")
     init = build_model(a, dtype, device)
     n_params = sum(p.numel() for p in init.parameters())
     print(f"Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, heads {a.heads}, vocab "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The training-loop proof of the torch drop-in (python/README.md, "A training loop"): a small Llama model trained
 # with SimPO three ways in one process per configuration (TRL's formula, Liger-Kernel, ours;
-# python/examples/train_simpo.py): bf16, fp32, bf16 with gradient accumulation 3, bf16 under torch.compile.
+# python/examples/train_simpo.py): bf16, fp32, bf16 with gradient accumulation 3, bf16 under torch.compile; with
+# ASYNC=1 also bf16 and fp32 with ours at validate=False (the asynchronous call: no host synchronization).
 # Carried (ignored folders): .whl (the simpo_verify cp312 wheel, liger-kernel), .pylibs where the wheel is not
 # self-contained (Debian's shared libraries; libopenblas gzipped). The machine's torch, transformers, triton and
 # matplotlib are used as they are. Results in $OUT: per configuration train_simpo_<tag>.json, .png and the full
@@ -39,3 +40,7 @@ run bf16 120 --dtype bf16
 run f32 120 --dtype f32
 run bf16_acc3 150 --dtype bf16 --accumulation 3
 run bf16_compile 180 --dtype bf16 --compile
+if [ "${ASYNC:-0}" = 1 ]; then
+  run bf16_async 120 --dtype bf16 --ours-validate off
+  run f32_async 120 --dtype f32 --ours-validate off
+fi
