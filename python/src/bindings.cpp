@@ -453,9 +453,9 @@ simpo::fused::DeviceCall device_call_from(const nb::dict& args) {
   c.workspace = nb::cast<std::uintptr_t>(args["workspace"]);
   c.workspace_size = nb::cast<std::int64_t>(args["workspace_size"]);
   c.defer_weight_finish = nb::cast<bool>(args["defer_weight_finish"]);
-  // Optional (older callers pass neither): the asynchronous form, its eight forward output buffers.
-  if (args.contains("asynchronous")) c.asynchronous = nb::cast<bool>(args["asynchronous"]);
-  if (args.contains("forward_out")) {
+  // The asynchronous form names its eight forward output buffers.
+  c.asynchronous = nb::cast<bool>(args["asynchronous"]);
+  if (c.asynchronous) {
     const auto out = nb::cast<std::vector<std::uintptr_t>>(args["forward_out"]);
     if (out.size() != c.forward_out.size())
       throw InputError("compute_device: forward_out needs " + std::to_string(c.forward_out.size()) + " buffers, got " +

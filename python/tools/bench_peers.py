@@ -51,17 +51,20 @@ def workload_rows(g, B, dtype=torch.bfloat16):
     return x, t
 
 
+def event_ms(fn):
+    """One call of fn, timed by CUDA events on the current stream (synchronized)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def timed(fn, reps):
-    times = []
-    for i in range(reps + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i:  # the first is the warm-up
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    fn()  # the warm-up
+    torch.cuda.synchronize()
+    return statistics.median(event_ms(fn) for _ in range(reps))
 
 
 def loss_fn(name):
@@ -110,8 +113,9 @@ def cce_simpo(x, w, t, reduction="none", filter_eps="default"):
     return nll + _simpo_terms(logps[:P], logps[P:], 0.1, 0.5, 0.0)
 
 
-def full_step_ms(f, x, w, t, reps):
-    """forward + backward of f, gradients allocated in the steady state, one untimed step first."""
+def training_step(f, x, w, t):
+    """-> (step, xg, wg): step() runs forward + backward of f with every gradient on the leaves xg and wg (x and w
+    detached, requiring grad), dropping the last step's gradients first."""
     xg = x.detach().requires_grad_(True)
     wg = w.detach().requires_grad_(True)
 
@@ -119,6 +123,12 @@ def full_step_ms(f, x, w, t, reps):
         xg.grad, wg.grad = None, None
         f(xg, wg, t).backward()
 
+    return step, xg, wg
+
+
+def full_step_ms(f, x, w, t, reps):
+    """forward + backward of f, gradients allocated in the steady state, one untimed step first."""
+    step, _, _ = training_step(f, x, w, t)
     step()
     torch.cuda.synchronize()
     return timed(step, reps)
@@ -133,12 +143,7 @@ def paired(fa, fb, reps):
     ta, tb = [], []
     for i in range(reps):
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            (fa if which == 0 else fb)()
-            end.record()
-            torch.cuda.synchronize()
-            (ta if which == 0 else tb).append(start.elapsed_time(end))
+            (ta if which == 0 else tb).append(event_ms(fa if which == 0 else fb))
     ratios = [b / a for a, b in zip(ta, tb)]
     return {"a_ms": statistics.median(ta), "b_ms": statistics.median(tb), "ratio": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios)}
@@ -148,14 +153,7 @@ def measure_paired(fa, fb, x, w, t, reps):
     """paired() of two loss functions: the forward under no_grad and the full step (measure()'s fwd and full)."""
     with torch.no_grad():
         fwd = paired(lambda: fa(x, w, t), lambda: fb(x, w, t), reps)
-    xg = x.detach().requires_grad_(True)
-    wg = w.detach().requires_grad_(True)
-
-    def step(f):
-        xg.grad, wg.grad = None, None
-        f(xg, wg, t).backward()
-
-    full = paired(lambda: step(fa), lambda: step(fb), reps)
+    full = paired(training_step(fa, x, w, t)[0], training_step(fb, x, w, t)[0], reps)
     return {"fwd": fwd, "full": full}
 
 
@@ -219,15 +217,9 @@ def measure(f, x, w, t, reps, ours=False):
         outside_fwd = _device.last_info["workspace_bytes"]
     else:
         outside_fwd = 0
-    xg = x.detach().requires_grad_(True)
-    wg = w.detach().requires_grad_(True)
+    step, xg, wg = training_step(f, x, w, t)
     xg.grad = torch.zeros_like(xg)  # the steady state holds the gradients
     wg.grad = torch.zeros_like(wg)
-
-    def step():
-        xg.grad, wg.grad = None, None
-        f(xg, wg, t).backward()
-
     step()
     xg.grad, wg.grad = torch.zeros_like(xg), torch.zeros_like(wg)
     torch.cuda.synchronize()

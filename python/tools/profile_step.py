@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_peers import H, T, V, loss_fn, timed, workload_rows, workload_weight  # noqa: E402
+from bench_peers import H, T, V, loss_fn, timed, training_step, workload_rows, workload_weight  # noqa: E402
 from step_timeline import report  # noqa: E402
 
 # Kernel-name patterns -> what the kernel computes (first match wins).
@@ -127,13 +127,7 @@ def main():
         x = uniform(args.B, T, H, half_width=3.0 ** 0.5)
         t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
         t[:, : T // 10] = -100
-    f = loss_fn(args.impl)
-    xg = x.detach().requires_grad_(True)
-    wg = w.detach().requires_grad_(True)
-
-    def step():
-        xg.grad, wg.grad = None, None
-        f(xg, wg, t).backward()
+    step, _, _ = training_step(loss_fn(args.impl), x, w, t)
 
     print(f"B={args.B} T={T} H={H} V={V}, {args.data} inputs, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     show("ours, forward + backward", kernel_times(step, args.steps), timed(step, 5))
