@@ -7,7 +7,8 @@
 # self-contained (Debian's shared libraries; libopenblas gzipped). The machine's torch, transformers, triton and
 # matplotlib are used as they are. Results in $OUT: per configuration train_simpo_<tag>.json, .png and the full
 # log train_<tag>.log; the judged steps and the summary table are printed.
-# STEPS (50), JUDGE_EVERY (25: steps 0, 25 and the last are judged by the verifier) and PAIRS (2) override.
+# STEPS (50), JUDGE_EVERY (25: steps 0, 25 and the last are judged by the verifier) and PAIRS (2) override;
+# CONFIGS (space-separated tags, e.g. "f32 f32_async") runs only those configurations.
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -25,6 +26,7 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'mat
 
 run() {  # run TAG TIMEOUT_S ARGS...: one configuration, its log in $OUT, the lines that matter printed
   local tag=$1 limit=$2; shift 2
+  [ -z "${CONFIGS:-}" ] || [[ " $CONFIGS " == *" $tag "* ]] || return 0
   echo "== $tag: $*"
   local t0=$SECONDS
   timeout "$limit" python3 python/examples/train_simpo.py --steps "${STEPS:-50}" --judge-every "${JUDGE_EVERY:-25}" \
@@ -40,7 +42,7 @@ run bf16 120 --dtype bf16
 run f32 120 --dtype f32
 run bf16_acc3 150 --dtype bf16 --accumulation 3
 run bf16_compile 180 --dtype bf16 --compile
-if [ "${ASYNC:-0}" = 1 ]; then
+if [ "${ASYNC:-0}" = 1 ] || [[ " ${CONFIGS:-} " == *_async* ]]; then
   run bf16_async 120 --dtype bf16 --ours-validate off
   run f32_async 120 --dtype f32 --ours-validate off
 fi
