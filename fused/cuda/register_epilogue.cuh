@@ -128,7 +128,8 @@ CUTLASS_DEVICE void for_each_accumulator(AccTensor const& acc, F&& f) {
 
 // out[rows, ld_out] of ElementD (void: no output) = what the pass leaves of x weight^T, kAlignD elements (16
 // bytes) the store's unit.
-template <class Pass, class ElementD, int kAlignD>
+// kInFlight: the mainloop's batches queued between promotions (StaggeredMainloop).
+template <class Pass, class ElementD, int kAlignD, int kInFlight = 1>
 struct RegisterEpilogueGemm {
   using Params = typename Pass::Params;
   using TileShape = cute::Shape<cute::_128, cute::_192, cute::_64>;  // promoted_gemm.cu's variant 0
@@ -157,7 +158,7 @@ struct RegisterEpilogueGemm {
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
-  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
+  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>, kInFlight>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
