@@ -93,7 +93,11 @@ bool PendingWeightGradient::waiting() const {
 #endif
 }
 
-void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
+namespace {
+
+// The two scale forms (a host double, a float on the device) take the same path to the cuda backend.
+template <class Scale>
+void finish_weight_gradient_with(const PendingWeightGradient& pending, Scale scale, std::uintptr_t stream) {
 #if SIMPO_HAVE_CUDA
   cuda::finish_weight_gradient_on_device(pending, scale, stream);
 #else
@@ -101,37 +105,38 @@ void finish_weight_gradient_on_device(const PendingWeightGradient& pending, doub
   throw InputError("finish_weight_gradient_on_device: this build has no cuda backend (no nvcc at build time), so "
                    "nothing was deferred");
 #endif
+}
+
+template <class Scale>
+void scale_gradient_with(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, Scale scale,
+                         std::uintptr_t out, int device, std::uintptr_t stream) {
+#if SIMPO_HAVE_CUDA
+  cuda::scale_gradient_on_device(dtype, hi, lo, n, scale, out, device, stream);
+#else
+  (void)dtype, (void)hi, (void)lo, (void)n, (void)scale, (void)out, (void)device, (void)stream;
+  throw InputError("a gradient on a CUDA device, but this build has no cuda backend (no nvcc at build time)");
+#endif
+}
+
+}  // namespace
+
+void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
+  finish_weight_gradient_with(pending, scale, stream);
 }
 
 void finish_weight_gradient_on_device(const PendingWeightGradient& pending, DeviceScalar scale,
                                       std::uintptr_t stream) {
-#if SIMPO_HAVE_CUDA
-  cuda::finish_weight_gradient_on_device(pending, scale, stream);
-#else
-  (void)pending, (void)scale, (void)stream;
-  throw InputError("finish_weight_gradient_on_device: this build has no cuda backend (no nvcc at build time), so "
-                   "nothing was deferred");
-#endif
+  finish_weight_gradient_with(pending, scale, stream);
 }
 
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, DeviceScalar scale,
                               std::uintptr_t out, int device, std::uintptr_t stream) {
-#if SIMPO_HAVE_CUDA
-  cuda::scale_gradient_on_device(dtype, hi, lo, n, scale, out, device, stream);
-#else
-  (void)dtype, (void)hi, (void)lo, (void)n, (void)scale, (void)out, (void)device, (void)stream;
-  throw InputError("a gradient on a CUDA device, but this build has no cuda backend (no nvcc at build time)");
-#endif
+  scale_gradient_with(dtype, hi, lo, n, scale, out, device, stream);
 }
 
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
                               std::uintptr_t out, int device, std::uintptr_t stream) {
-#if SIMPO_HAVE_CUDA
-  cuda::scale_gradient_on_device(dtype, hi, lo, n, scale, out, device, stream);
-#else
-  (void)dtype, (void)hi, (void)lo, (void)n, (void)scale, (void)out, (void)device, (void)stream;
-  throw InputError("a gradient on a CUDA device, but this build has no cuda backend (no nvcc at build time)");
-#endif
+  scale_gradient_with(dtype, hi, lo, n, scale, out, device, stream);
 }
 
 }  // namespace simpo::fused
