@@ -9,7 +9,8 @@
 // the fp32 store, at kInFlight 1 and 2. Checks that both give the same bits (the arithmetic is the same: the same
 // promotion points, the same order of adds), then times, in turns with cuBLAS's bf16-output GEMM (the floor), both
 // at promotion every 256 and 512 k, and kInFlight 1 never promoting (promotion_k 0: no drain but the tile's last;
-// the cost of promotion itself). M x 128256 x 4096, M = 2048 and 4096 (the step's chunks).
+// the cost of promotion itself), and kInFlight 1 on 2x1 clusters (each weight tile loaded once for two CTAs by TMA
+// multicast: half the weight's L2 reads). M x 128256 x 4096, M = 2048 and 4096 (the step's chunks).
 //   promoted_in_flight [--reps N]
 #include "fused/cuda/bench/interleaved_timing.cuh"
 #include "fused/cuda/bench/random_fill.cuh"
@@ -42,8 +43,8 @@ struct NoPass {
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL, TileShapeMNK, TileCoordMNKL, AccTensor&, TiledMma, int) const {}
 };
 
-template <int kInFlight>
-using Promoted = RegisterEpilogueGemm<NoPass, float, 4, kInFlight>;
+template <int kInFlight, int kClusterM = 1>
+using Promoted = RegisterEpilogueGemm<NoPass, float, 4, kInFlight, kClusterM>;
 
 }  // namespace simpo::fused::cuda::dev
 
@@ -73,33 +74,37 @@ int main(int argc, char** argv) {
     SIMPO_CUBLAS_CHECK(cublasCreate(&h));
     const auto* x = dx.as<__nv_bfloat16>();
     const auto* w = dw.as<__nv_bfloat16>();
+    // in_flight 1 or 2; 0: one in flight on 2x1 clusters (the weight tile multicast to both CTAs).
     auto promoted = [&](int in_flight, int M, std::int64_t promotion_k, float* z) {
       const NoPass::Params none;
       if (in_flight == 1)
         Promoted<1>::run("promoted, 1 in flight", M, N, K, x, w, z, N, promotion_k, none, nullptr, scratch.get(), scratch.bytes());
-      else
+      else if (in_flight == 2)
         Promoted<2>::run("promoted, 2 in flight", M, N, K, x, w, z, N, promotion_k, none, nullptr, scratch.get(), scratch.bytes());
+      else
+        Promoted<1, 2>::run("promoted, 2x1 cluster", M, N, K, x, w, z, N, promotion_k, none, nullptr, scratch.get(), scratch.bytes());
     };
 
-    // The same bits from both (all of M = 4096).
+    // The same bits from each variant as from kInFlight 1, the product's mainloop (all of M = 4096).
+    std::vector<float> expected(std::size_t{Mmax} * N), got(expected.size());
     for (std::int64_t pk : {std::int64_t{256}, std::int64_t{512}}) {
       promoted(1, Mmax, pk, z1.as<float>());
-      promoted(2, Mmax, pk, z2.as<float>());
-      SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
-      std::vector<float> a(std::size_t{Mmax} * N), b(a.size());
-      SIMPO_CUDA_CHECK(cudaMemcpy(a.data(), z1.get(), a.size() * 4, cudaMemcpyDeviceToHost));
-      SIMPO_CUDA_CHECK(cudaMemcpy(b.data(), z2.get(), b.size() * 4, cudaMemcpyDeviceToHost));
-      std::size_t differ = 0;
-      for (std::size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], 4) != 0;
-      std::printf("every %lld k: %zu of %zu logits differ between 1 and 2 in flight\n", static_cast<long long>(pk),
-                  differ, a.size());
-      if (differ) return 1;
+      SIMPO_CUDA_CHECK(cudaMemcpy(expected.data(), z1.get(), expected.size() * 4, cudaMemcpyDeviceToHost));
+      for (int variant : {2, 0}) {
+        promoted(variant, Mmax, pk, z2.as<float>());
+        SIMPO_CUDA_CHECK(cudaMemcpy(got.data(), z2.get(), got.size() * 4, cudaMemcpyDeviceToHost));
+        const bool same = std::memcmp(expected.data(), got.data(), got.size() * 4) == 0;
+        std::printf("every %lld k, %s: %s\n", static_cast<long long>(pk), variant == 2 ? "2 in flight" : "2x1 cluster",
+                    same ? "the same bits as 1 in flight" : "DIFFERENT bits from 1 in flight");
+        if (!same) return 1;
+      }
     }
 
     const float one = 1.0f, zero = 0.0f;
     for (int M : {2048, 4096}) {
       std::vector<std::string> names{"cuBLAS, bf16 out (floor)", "1 in flight, every 256 k", "2 in flight, every 256 k",
-                                     "1 in flight, every 512 k", "2 in flight, every 512 k", "1 in flight, never"};
+                                     "1 in flight, every 512 k", "2 in flight, every 512 k", "1 in flight, never",
+                                     "2x1 cluster, every 256 k"};
       std::vector<std::function<void()>> bodies{
           [&] {
             SIMPO_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_16BF, K, x,
@@ -108,7 +113,7 @@ int main(int argc, char** argv) {
           },
           [&] { promoted(1, M, 256, z1.as<float>()); }, [&] { promoted(2, M, 256, z1.as<float>()); },
           [&] { promoted(1, M, 512, z1.as<float>()); }, [&] { promoted(2, M, 512, z1.as<float>()); },
-          [&] { promoted(1, M, 0, z1.as<float>()); }};
+          [&] { promoted(1, M, 0, z1.as<float>()); }, [&] { promoted(0, M, 256, z1.as<float>()); }};
       const auto t = bench::time_interleaved(nullptr, 3, reps, bodies);
       std::printf("\nM = %d x %d x %d, in turns, median of %d (ms, ratio to the floor, TFLOP/s)\n", M, N, K, reps);
       for (std::size_t i = 0; i < t.size(); ++i)
