@@ -32,12 +32,10 @@ CUTLASS_DEVICE auto consumer_fragments(typename Base::TensorStorage& shared_tens
 // block into the running sum) at about the same time, and the tensor cores wait on both. Here the second
 // warpgroup closes its first block half an interval early, so its drains fall between the first's: while one
 // warpgroup drains and adds, the other still has a batch queued. The arithmetic is the same promotion (every
-// `interval` k tiles, the first block of warpgroup 1 half as long). Between promotions a warpgroup keeps
-// kInFlight batches queued behind the one it just issued (the base's K_PIPE_MMAS is 1), and releases each stage
-// kInFlight k tiles late; mma_tail releases the last kInFlight.
-template <class Base, int kInFlight = 1>
+// `interval` k tiles, the first block of warpgroup 1 half as long); the release protocol is the base's
+// (K_PIPE_MMAS = 1: each stage is released one k tile late, mma_tail releases the last).
+template <class Base>
 struct StaggeredMainloop : Base {
-  static_assert(kInFlight >= 1 && kInFlight < Base::DispatchPolicy::Stages, "the stages must hold the batches in flight");
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
@@ -81,10 +79,10 @@ struct StaggeredMainloop : Base {
         left = interval;
         open = false;
       } else {
-        warpgroup_wait<kInFlight>();  // the batch kInFlight k tiles back is done: its stage can go back
+        warpgroup_wait<1>();  // the previous k tile's batch is done: its stage can go back
         warpgroup_fence_operand(block);
       }
-      if (k_tile >= kInFlight) {
+      if (k_tile > 0) {
         pipeline.consumer_release(smem_pipe_release);
         ++smem_pipe_release;
       }
@@ -97,18 +95,6 @@ struct StaggeredMainloop : Base {
       for (int i = 0; i < size(block); ++i) accum(i) += block(i);
     }
     warpgroup_fence_operand(accum);
-  }
-
-  // The stages mma() has not released: its last kInFlight (fewer for a shorter k).
-  CUTLASS_DEVICE void mma_tail(typename Base::MainloopPipeline pipeline,
-                               typename Base::PipelineState smem_pipe_release, int k_tile_count) {
-    const int unreleased = cute::min(kInFlight, k_tile_count);
-    smem_pipe_release.advance(k_tile_count - unreleased);
-    cute::warpgroup_wait<0>();
-    for (int i = 0; i < unreleased; ++i) {
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-    }
   }
 };
 

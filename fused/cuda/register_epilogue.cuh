@@ -128,13 +128,11 @@ CUTLASS_DEVICE void for_each_accumulator(AccTensor const& acc, F&& f) {
 
 // out[rows, ld_out] of ElementD (void: no output) = what the pass leaves of x weight^T, kAlignD elements (16
 // bytes) the store's unit.
-// kInFlight: the mainloop's batches queued between promotions (StaggeredMainloop); kClusterM: CTAs per cluster
-// along M (sharing each weight tile by TMA multicast).
-template <class Pass, class ElementD, int kAlignD, int kInFlight = 1, int kClusterM = 1>
+template <class Pass, class ElementD, int kAlignD>
 struct RegisterEpilogueGemm {
   using Params = typename Pass::Params;
   using TileShape = cute::Shape<cute::_128, cute::_192, cute::_64>;  // promoted_gemm.cu's variant 0
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using Element = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;     // x[rows, ld_h]
   using LayoutB = cutlass::layout::ColumnMajor;  // weight[V, ld_h] as B (k x V, column-major)
@@ -159,7 +157,7 @@ struct RegisterEpilogueGemm {
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
-  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>, kInFlight>;
+  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
