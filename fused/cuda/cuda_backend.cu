@@ -464,6 +464,41 @@ PendingWeightGradient::State& unfinished(const PendingWeightGradient& pending) {
   return state;
 }
 
+// The deferred GEMM, once, with `scale`.
+void run_deferred(PendingWeightGradient::State& state, Scale scale, std::uintptr_t stream) {
+  SIMPO_CUDA_CHECK(cudaSetDevice(state.device));
+  state.finished = true;  // a failed launch leaves the pair half written: never run twice
+  accumulate_hilo_chunk(state.chunk, scale, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// A DeviceScalar's float, checked: set and 4-byte aligned. `what` names the caller in the error.
+const float* device_scale(DeviceScalar scale, const char* what) {
+  if (!scale.address || scale.address % 4 != 0)
+    throw InputError(std::string(what) + ": the scale must be a 4-byte aligned float on the device");
+  return reinterpret_cast<const float*>(scale.address);
+}
+
+// The scale as launch_scale takes it, checked: a finite double, or a DeviceScalar's float.
+double checked_scale(double scale) {
+  if (!std::isfinite(scale)) throw InputError("scale_gradient_on_device: the scale must be finite");
+  return scale;
+}
+const float* checked_scale(DeviceScalar scale) { return device_scale(scale, "scale_gradient_on_device"); }
+
+// Both scale_gradient_on_device forms: the checks, then launch_scale over the dtype's element type.
+template <class S>
+void scale_gradient(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, S scale, std::uintptr_t out,
+                    int device, std::uintptr_t stream) {
+  if (!is_input_dtype(dtype)) throw InputError("scale_gradient_on_device: the dtype must be bf16, f16 or f32");
+  if (!hi || !out || n < 0) throw InputError("scale_gradient_on_device: hi and out must be device pointers, n >= 0");
+  const auto factor = checked_scale(scale);
+  SIMPO_CUDA_CHECK(cudaSetDevice(device));
+  with_element_type(dtype, [&]<class T>(T) {
+    launch_scale(reinterpret_cast<const T*>(hi), reinterpret_cast<const T*>(lo), n, factor,
+                 reinterpret_cast<T*>(out), reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
 }  // namespace
 
 void finish_weight_gradient_on_device(const PendingWeightGradient& pending, double scale, std::uintptr_t stream) {
@@ -472,45 +507,22 @@ void finish_weight_gradient_on_device(const PendingWeightGradient& pending, doub
   if (!std::isfinite(scale) || !std::isfinite(s))
     throw InputError("finish_weight_gradient_on_device: the scale must be finite in fp32, got " +
                      std::to_string(scale));
-  SIMPO_CUDA_CHECK(cudaSetDevice(state.device));
-  state.finished = true;  // a failed launch leaves the pair half written: never run twice
-  accumulate_hilo_chunk(state.chunk, Scale{.value = s}, reinterpret_cast<cudaStream_t>(stream));
+  run_deferred(state, Scale{.value = s}, stream);
 }
 
 void finish_weight_gradient_on_device(const PendingWeightGradient& pending, DeviceScalar scale, std::uintptr_t stream) {
   PendingWeightGradient::State& state = unfinished(pending);
-  if (!scale.address || scale.address % 4 != 0)
-    throw InputError("finish_weight_gradient_on_device: the scale must be a 4-byte aligned float on the device");
-  SIMPO_CUDA_CHECK(cudaSetDevice(state.device));
-  state.finished = true;
-  accumulate_hilo_chunk(state.chunk, Scale{.device = reinterpret_cast<const float*>(scale.address)},
-                        reinterpret_cast<cudaStream_t>(stream));
+  run_deferred(state, Scale{.device = device_scale(scale, "finish_weight_gradient_on_device")}, stream);
 }
 
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, double scale,
                               std::uintptr_t out, int device, std::uintptr_t stream) {
-  if (!is_input_dtype(dtype)) throw InputError("scale_gradient_on_device: the dtype must be bf16, f16 or f32");
-  if (!hi || !out || n < 0) throw InputError("scale_gradient_on_device: hi and out must be device pointers, n >= 0");
-  if (!std::isfinite(scale)) throw InputError("scale_gradient_on_device: the scale must be finite");
-  SIMPO_CUDA_CHECK(cudaSetDevice(device));
-  with_element_type(dtype, [&]<class T>(T) {
-    launch_scale(reinterpret_cast<const T*>(hi), reinterpret_cast<const T*>(lo), n, scale,
-                 reinterpret_cast<T*>(out), reinterpret_cast<cudaStream_t>(stream));
-  });
+  scale_gradient(dtype, hi, lo, n, scale, out, device, stream);
 }
 
 void scale_gradient_on_device(DType dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n, DeviceScalar scale,
                               std::uintptr_t out, int device, std::uintptr_t stream) {
-  if (!is_input_dtype(dtype)) throw InputError("scale_gradient_on_device: the dtype must be bf16, f16 or f32");
-  if (!hi || !out || n < 0) throw InputError("scale_gradient_on_device: hi and out must be device pointers, n >= 0");
-  if (!scale.address || scale.address % 4 != 0)
-    throw InputError("scale_gradient_on_device: the scale must be a 4-byte aligned float on the device");
-  SIMPO_CUDA_CHECK(cudaSetDevice(device));
-  with_element_type(dtype, [&]<class T>(T) {
-    launch_scale(reinterpret_cast<const T*>(hi), reinterpret_cast<const T*>(lo), n,
-                 reinterpret_cast<const float*>(scale.address), reinterpret_cast<T*>(out),
-                 reinterpret_cast<cudaStream_t>(stream));
-  });
+  scale_gradient(dtype, hi, lo, n, scale, out, device, stream);
 }
 
 DeviceInputs upload_inputs(const Problem& problem, cudaStream_t stream) {

@@ -165,19 +165,6 @@ def _forward_outputs(wires, like):
     return out
 
 
-def finish_weight_gradient(pending, workspace, scale):
-    """The deferred grad_weight of compute(defer_weight=True) with the loss scale: T(scale (the step's sum)), one
-    rounding, in the grad_weight tensor compute returned, on the current stream of the workspace's device. Once per
-    pending (InputError after)."""
-    import torch
-
-    dev = workspace.device
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev)
-        _core.finish_weight_gradient(pending, float(scale), stream.cuda_stream)
-        workspace.record_stream(stream)  # the GEMM reads it on this stream: torch frees it only after
-
-
 def _device_scale(scale, like):
     """A float32 scalar tensor on like's device holding `scale` (a tensor there: grad_output), not read by the host."""
     import torch
@@ -185,9 +172,11 @@ def _device_scale(scale, like):
     return scale.detach().to(device=like.device, dtype=torch.float32).reshape(()).contiguous()
 
 
-def finish_weight_gradient_by(pending, workspace, scale):
-    """finish_weight_gradient with the scale a tensor on the device (grad_output), read by the kernels: backward
-    needs no synchronization."""
+def finish_weight_gradient(pending, workspace, scale):
+    """The deferred grad_weight of compute(defer_weight=True) with the loss scale: T(scale (the step's sum)), one
+    rounding, in the grad_weight tensor compute returned, on the current stream of the workspace's device. The scale
+    is a tensor on the device (grad_output), read by the kernels: no synchronization. Once per pending (InputError
+    after)."""
     import torch
 
     dev = workspace.device
@@ -195,7 +184,7 @@ def finish_weight_gradient_by(pending, workspace, scale):
         stream = torch.cuda.current_stream(dev)
         s = _device_scale(scale, workspace)
         _core.finish_weight_gradient_by(pending, s.data_ptr(), stream.cuda_stream)
-        workspace.record_stream(stream)
+        workspace.record_stream(stream)  # the GEMM reads it on this stream: torch frees it only after
 
 
 def scale_gradient_(hi, lo, scale):

@@ -111,7 +111,7 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
             # one rounding, the same bits as the undeferred step at 1. grad_x and grad_bias from their residues, in
             # place (at 1 untouched). The kernels read grad_output on the device: no synchronization.
             ctx.deferred = _FINISHED
-            _device.finish_weight_gradient_by(*deferred, grad_loss)
+            _device.finish_weight_gradient(*deferred, grad_loss)
             grad_x, grad_bias = (_device.scale_gradient_(g, lo, grad_loss) if g is not None else None
                                  for g, lo in ((grad_x, x_lo), (grad_bias, b_lo)))
             return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,

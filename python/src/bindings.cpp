@@ -561,11 +561,6 @@ NB_MODULE(_core, m) {
   // A deferred call's last weight GEMM (fused::PendingWeightGradient), finished once with the loss scale.
   nb::class_<simpo::fused::PendingWeightGradient>(m, "PendingWeightGradient")
       .def_prop_ro("waiting", &simpo::fused::PendingWeightGradient::waiting);
-  m.def("finish_weight_gradient", [](const simpo::fused::PendingWeightGradient& pending, double scale,
-                                     std::uintptr_t stream) {
-    nb::gil_scoped_release release;
-    simpo::fused::finish_weight_gradient_on_device(pending, scale, stream);
-  }, "pending"_a, "scale"_a, "stream"_a);
 
   // A device gradient and its rounding residue scaled with one rounding (fused::scale_gradient_on_device).
   m.def("scale_gradient", [](const std::string& dtype, std::uintptr_t hi, std::uintptr_t lo, std::int64_t n,
@@ -574,7 +569,7 @@ NB_MODULE(_core, m) {
     simpo::fused::scale_gradient_on_device(simpo::input_dtype_from_name(dtype), hi, lo, n, scale, out, device, stream);
   }, "dtype"_a, "hi"_a, "lo"_a, "n"_a, "scale"_a, "out"_a, "device"_a, "stream"_a);
 
-  // Both with the scale a float32 on the device (its address): autograd's grad_output, never read by the host.
+  // The scale a float32 on the device (its address): autograd's grad_output, never read by the host.
   m.def("finish_weight_gradient_by", [](const simpo::fused::PendingWeightGradient& pending, std::uintptr_t scale,
                                         std::uintptr_t stream) {
     nb::gil_scoped_release release;
