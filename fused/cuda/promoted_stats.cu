@@ -37,7 +37,11 @@ namespace m = ::simpo::fused::math;
 //
 // kDistances: after the statistics, each accumulator becomes its logit distance below the row's tile max
 // (promoted_stats.h), a whole number as a float that CUTLASS's store converts to uint16 exactly.
-template <bool kDistances>
+//
+// kEdges: the kernel may meet a bias or a tile reaching past column N, and picks the reduction per tile. Without
+// it (no bias, V a multiple of the tile width: the common case) the kernel holds only the plain reduction: the
+// masked and biased ones, inlined beside it, need more than the 168 registers a thread has and make ptxas spill.
+template <bool kDistances, bool kEdges>
 struct StatsPass {
   using Params = LogitTileStats;
   LogitTileStats stats;
@@ -46,6 +50,10 @@ struct StatsPass {
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                                  TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma,
                                  int thread_idx) const {
+    if constexpr (!kEdges) {
+      reduce<false, false>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
+      return;
+    }
     const int n0 = static_cast<int>(get<1>(tile_coord_mnkl)) * decltype(size<1>(tile_shape_MNK))::value;
     const bool whole_columns = n0 + decltype(size<1>(tile_shape_MNK))::value <= static_cast<int>(get<1>(problem_shape_mnkl));
     const bool bias = stats.bias != nullptr;
@@ -143,11 +151,11 @@ struct StatsPass {
 };
 
 // The fp32 logits stored after the statistics (the full step), no output at all (the forward), or the logit
-// distances (the full step with Options::logit_distances).
-using StatsGemm = RegisterEpilogueGemm<StatsPass<false>, float, 4>;
-using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass<false>, void, 4>;
-using DistancesGemm = RegisterEpilogueGemm<StatsPass<true>, std::uint16_t, 8>;
-static_assert(cute::size<1>(StatsGemm::TileShape{}) == statistics_tile_columns &&
+// distances (the full step with Options::logit_distances); each with and without edges (StatsPass).
+template <bool kEdges> using StatsGemm = RegisterEpilogueGemm<StatsPass<false, kEdges>, float, 4>;
+template <bool kEdges> using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass<false, kEdges>, void, 4>;
+template <bool kEdges> using DistancesGemm = RegisterEpilogueGemm<StatsPass<true, kEdges>, std::uint16_t, 8>;
+static_assert(cute::size<1>(StatsGemm<false>::TileShape{}) == statistics_tile_columns &&
                   statistics_tile_columns == m::logit_distance_tile,
               "the partials' tiles, and the distances' tiles (the cpu backend's too), are the GEMM's column tiles");
 
@@ -164,6 +172,11 @@ void check_statistics_gemm(const char* what, std::int64_t rows, std::int64_t pro
   if (stats.ld < rows)
     throw CudaError(std::string(what) + ": ld " + std::to_string(stats.ld) + " < rows " + std::to_string(rows));
 }
+
+// Whether the GEMM over V columns needs the kernel that handles a bias and a partial last tile (StatsPass).
+bool has_edges(std::int64_t V, const LogitTileStats& stats) {
+  return stats.bias != nullptr || V % statistics_tile_columns != 0;
+}
 }  // namespace
 
 void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
@@ -174,12 +187,14 @@ void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
   constexpr const char* what = "promoted logits GEMM with statistics";
   check_statistics_gemm(what, rows, promotion_k, stats);
   if (V % 4 != 0) throw CudaError(std::string(what) + ": V = " + std::to_string(V) + " is not a multiple of 4");
+  const bool edges = has_edges(V, stats);
   if (logits != nullptr)
-    StatsGemm::run(what, rows, V, ld_h, x, weight, logits, ld_logits, promotion_k, stats, stream, workspace,
-                   workspace_bytes);
+    (edges ? StatsGemm<true>::run : StatsGemm<false>::run)(what, rows, V, ld_h, x, weight, logits, ld_logits,
+                                                           promotion_k, stats, stream, workspace, workspace_bytes);
   else
-    StatsOnlyGemm::run(what, rows, V, ld_h, x, weight, nullptr, V, promotion_k, stats, stream, workspace,
-                       workspace_bytes);
+    (edges ? StatsOnlyGemm<true>::run : StatsOnlyGemm<false>::run)(what, rows, V, ld_h, x, weight, nullptr, V,
+                                                                   promotion_k, stats, stream, workspace,
+                                                                   workspace_bytes);
 }
 
 void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
@@ -192,8 +207,9 @@ void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t l
   if (V % 8 != 0 || ld_distances % 8 != 0 || ld_distances < V)
     throw CudaError(std::string(what) + ": V = " + std::to_string(V) + " and ld " + std::to_string(ld_distances) +
                     " must be multiples of 8, ld >= V");
-  DistancesGemm::run(what, rows, V, ld_h, x, weight, distances, ld_distances, promotion_k, stats, stream, workspace,
-                     workspace_bytes);
+  (has_edges(V, stats) ? DistancesGemm<true>::run : DistancesGemm<false>::run)(
+      what, rows, V, ld_h, x, weight, distances, ld_distances, promotion_k, stats, stream, workspace,
+      workspace_bytes);
 }
 
 #else  // without CUTLASS or an sm_90a target: the runner keeps the separate statistics pass
