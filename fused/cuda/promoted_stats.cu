@@ -114,7 +114,12 @@ struct StatsPass {
     }
     for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
       const float z = logit(i, c, g, mn);
-      const float e = m::exp_(z - row_max[i]);  // computed everywhere, kept by a select: no branch
+      // exp(z - max) by the SFU's 2^x alone (__expf), not expf's accurate range reduction, a third of the
+      // instructions in the pass that the tensor cores wait for. Its error grows with |z - max|: the terms that
+      // dominate the tile's sum (z near its max) keep near-fp32 accuracy, and the rest carry weights too small
+      // to move lse by more than a fraction of the GEMM's own promotion bias. Computed everywhere, kept by a
+      // select: no branch.
+      const float e = __expf(z - row_max[i]);
       sum_exp[i] += inside(c, g, mn) ? e : 0.0f;
       sum[i] += inside(c, g, mn) ? z : 0.0f;
     });
