@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRowsOf<T> a
 // (coalesced in the [tiles, ld] layout), then warp 0 merges the 8 partial states per row. Each warp keeps
 // kMergeChains independent states, so that many tiles' loads are in flight at once: one state would wait for each
 // load and each merge's exp in turn (a few hundred tiles per row at V = 128k, few rows per launch).
-constexpr int kMergeRows = 32, kMergeChains = 4;
+constexpr int kMergeRows = 32, kMergeChains = 8;
 __global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStatsRows a, float* row_max, float* lse,
                                                                       float* z_target, double* rowsum) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
