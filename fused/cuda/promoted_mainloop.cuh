@@ -34,12 +34,25 @@ CUTLASS_DEVICE auto consumer_fragments(typename Base::TensorStorage& shared_tens
 // warpgroup drains and adds, the other still has a batch queued. The arithmetic is the same promotion (every
 // `interval` k tiles, the first block of warpgroup 1 half as long); the release protocol is the base's
 // (K_PIPE_MMAS = 1: each stage is released one k tile late, mma_tail releases the last).
+//
+// `under` (epilogue_under_mma_kernel.cuh) runs once, after the first block's wgmmas are issued and before any is
+// waited on: those k tiles' stages stay held until the block's promotion, and the accumulators are not touched
+// before it (the first promotion assigns the block rather than adding it), so `under` may still read the previous
+// tile's sums from them while the tensor cores work.
 template <class Base>
 struct StaggeredMainloop : Base {
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
                           typename Base::TensorStorage& shared_tensors, typename Base::Params const& params) {
+    mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, params, [] {});
+  }
+
+  template <class FrgTensorC, class Under>
+  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          typename Base::TensorStorage& shared_tensors, typename Base::Params const& params,
+                          Under&& under) {
     using namespace cute;
     typename Base::TiledMma tiled_mma;
     auto fragments = consumer_fragments<Base>(shared_tensors, thread_idx);
@@ -47,15 +60,28 @@ struct StaggeredMainloop : Base {
     auto& tCrA = get<1>(fragments);  // (MMA, MMA_M, MMA_K, PIPE)
     auto& tCrB = get<2>(fragments);  // (MMA, MMA_N, MMA_K, PIPE)
     auto block = make_fragment_like(accum);  // the block of k in flight
-    clear(accum);
 
     // The interval in k tiles (mma_promotion_interval counts wgmmas, size<2>(tCrA) of them per k tile).
     const int interval = cute::max(1, static_cast<int>(params.mma_promotion_interval / size<2>(tCrA)));
-    // k tiles until this warpgroup promotes; whether the block holds products not yet promoted.
+    // k tiles until this warpgroup promotes; whether the block holds products not yet promoted; whether
+    // the accumulators still hold another tile's sums (`under` not yet run, nothing promoted).
     int left = warp_group_idx % 2 == 0 ? interval : cute::max(1, interval / 2);
-    bool open = false;
+    bool open = false, first = true;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     auto smem_pipe_release = smem_pipe_read;
+    int released = 0;  // k tiles whose stage has gone back
+    auto promote = [&] {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(block);
+      if (first) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(block); ++i) accum(i) = block(i);
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(block); ++i) accum(i) += block(i);
+      }
+      first = false;
+    };
     CUTLASS_PRAGMA_NO_UNROLL
     for (int k_tile = 0; k_tile < k_tile_count; ++k_tile) {
       auto token = pipeline.consumer_try_wait(smem_pipe_read);
@@ -70,11 +96,15 @@ struct StaggeredMainloop : Base {
       }
       warpgroup_commit_batch();
       open = true;
-      if (--left == 0) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(block);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(block); ++i) accum(i) += block(i);
+      ++smem_pipe_read;
+      --left;
+      if (first) {
+        // The first block: queue its k tiles unwaited, then run `under` at its end (or the tile's).
+        if (left > 0 && k_tile + 1 < k_tile_count) continue;
+        under();
+      }
+      if (left == 0) {
+        promote();
         tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
         left = interval;
         open = false;
@@ -82,18 +112,12 @@ struct StaggeredMainloop : Base {
         warpgroup_wait<1>();  // the previous k tile's batch is done: its stage can go back
         warpgroup_fence_operand(block);
       }
-      if (k_tile > 0) {
+      for (; released < k_tile; ++released) {
         pipeline.consumer_release(smem_pipe_release);
         ++smem_pipe_release;
       }
-      ++smem_pipe_read;
     }
-    if (open) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(block);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(block); ++i) accum(i) += block(i);
-    }
+    if (open) promote();
     warpgroup_fence_operand(accum);
   }
 };

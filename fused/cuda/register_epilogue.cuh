@@ -20,6 +20,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "fused/cuda/cuda_check.h"
+#include "fused/cuda/epilogue_under_mma_kernel.cuh"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_mainloop.cuh"
 
@@ -158,8 +159,8 @@ struct RegisterEpilogueGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
   using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  using Kernel = EpilogueUnderMmaKernel<cutlass::gemm::kernel::GemmUniversal<
+      cute::Shape<int, int, int, int>, Mainloop, Epilogue, cutlass::gemm::PersistentScheduler>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kMmaK = 16;  // bf16 wgmma's k: the promotion interval is counted in wgmmas
   static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
