@@ -95,8 +95,8 @@ struct EpilogueUnderMmaKernel : Base {
     TileScheduler scheduler{params.scheduler};
     CollectiveMainloop collective_mainloop;
     auto load_inputs = collective_mainloop.load_init(problem_shape_MNKL, params.mainloop);
-    Tensor gA_mkl = get<0>(load_inputs);
-    Tensor gB_nkl = get<1>(load_inputs);
+    auto gA_mkl = get<0>(load_inputs);
+    auto gB_nkl = get<1>(load_inputs);
     auto work_tile_info = scheduler.initial_work_tile_info(ClusterShape{});
     auto tile_coord = [&](auto const& work) {
       return make_coord(idx2crd(work.M_idx, shape<2>(gA_mkl)), idx2crd(work.N_idx, shape<2>(gB_nkl)), _,
