@@ -28,6 +28,7 @@ namespace m = ::simpo::fused::math;
 // in a branch of its own and the exps of a thread's 96 logits overlap.
 struct DzPass {
   using Params = DzTile;
+  static constexpr bool under_mma = false;  // with its bias variant beside a second accumulator tile, it spills
   DzTile dz;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>

@@ -63,27 +63,12 @@ struct StaggeredMainloop : Base {
 
     // The interval in k tiles (mma_promotion_interval counts wgmmas, size<2>(tCrA) of them per k tile).
     const int interval = cute::max(1, static_cast<int>(params.mma_promotion_interval / size<2>(tCrA)));
-    // k tiles until this warpgroup promotes; whether the block holds products not yet promoted; whether
-    // the accumulators still hold another tile's sums (`under` not yet run, nothing promoted).
+    // k tiles until this warpgroup promotes; whether the block holds products not yet promoted.
     int left = warp_group_idx % 2 == 0 ? interval : cute::max(1, interval / 2);
-    bool open = false, first = true;
+    bool open = false;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     auto smem_pipe_release = smem_pipe_read;
-    int released = 0;  // k tiles whose stage has gone back
-    auto promote = [&] {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(block);
-      if (first) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(block); ++i) accum(i) = block(i);
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(block); ++i) accum(i) += block(i);
-      }
-      first = false;
-    };
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k_tile = 0; k_tile < k_tile_count; ++k_tile) {
+    auto issue = [&] {  // the next k tile's wgmmas into the block
       auto token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, token);
       const int stage = smem_pipe_read.index();
@@ -97,25 +82,47 @@ struct StaggeredMainloop : Base {
       warpgroup_commit_batch();
       open = true;
       ++smem_pipe_read;
-      --left;
-      if (first) {
-        // The first block: queue its k tiles unwaited, then run `under` at its end (or the tile's).
-        if (left > 0 && k_tile + 1 < k_tile_count) continue;
-        under();
-      }
-      if (left == 0) {
+    };
+    auto promote = [&] {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(block);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(block); ++i) accum(i) += block(i);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      open = false;
+    };
+
+    // The first block's k tiles (or the tile's, if fewer), queued unwaited; then `under`.
+    const int first = cute::min(left, k_tile_count);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k_tile = 0; k_tile < first; ++k_tile) issue();
+    under();
+    clear(accum);  // after `under`, which may read them: the accumulators' live range starts here
+    if (first == left) {
+      promote();
+      left = interval;
+    } else {
+      left -= first;
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(block);
+    }
+    for (int k_tile = 0; k_tile + 1 < first; ++k_tile) {  // their stages back, but the last's (one k tile late)
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+    }
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k_tile = first; k_tile < k_tile_count; ++k_tile) {
+      issue();
+      if (--left == 0) {
         promote();
-        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
         left = interval;
-        open = false;
       } else {
         warpgroup_wait<1>();  // the previous k tile's batch is done: its stage can go back
         warpgroup_fence_operand(block);
       }
-      for (; released < k_tile; ++released) {
-        pipeline.consumer_release(smem_pipe_release);
-        ++smem_pipe_release;
-      }
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
     }
     if (open) promote();
     warpgroup_fence_operand(accum);

@@ -44,6 +44,7 @@ namespace m = ::simpo::fused::math;
 template <bool kDistances, bool kEdges>
 struct StatsPass {
   using Params = LogitTileStats;
+  static constexpr bool under_mma = !kEdges;  // the kernel with edges would spill beside a second accumulator tile
   LogitTileStats stats;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>

@@ -5,7 +5,8 @@
 // `Params`, with
 //   template <...> CUTLASS_DEVICE void operator()(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
 //                                                 accumulators&, tiled_mma, thread_idx) const;
-// Its parameters ride from the GEMM's arguments to the epilogue on a pass-through node of CUTLASS's epilogue
+// and `static constexpr bool under_mma`: whether the kernel runs it under the next tile's first wgmmas
+// (epilogue_under_mma_kernel.cuh). Its parameters ride from the GEMM's arguments to the epilogue on a pass-through node of CUTLASS's epilogue
 // visitor tree (EpilogueParams), which hands the accumulator to the store unchanged. Included only where CUTLASS
 // is (SIMPO_HAVE_CUTLASS_SM90).
 #pragma once
@@ -159,8 +160,11 @@ struct RegisterEpilogueGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       Schedule>::CollectiveOp;
   using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
-  using Kernel = EpilogueUnderMmaKernel<cutlass::gemm::kernel::GemmUniversal<
-      cute::Shape<int, int, int, int>, Mainloop, Epilogue, cutlass::gemm::PersistentScheduler>>;
+  using CutlassKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                             cutlass::gemm::PersistentScheduler>;
+  // The epilogue under the next tile's wgmmas where the pass fits the registers beside a second accumulator tile
+  // (Pass::under_mma); CUTLASS's kernel, epilogue after the MMAs, where it would spill.
+  using Kernel = cute::conditional_t<Pass::under_mma, EpilogueUnderMmaKernel<CutlassKernel>, CutlassKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static constexpr int kMmaK = 16;  // bf16 wgmma's k: the promotion interval is counted in wgmmas
   static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
