@@ -28,8 +28,8 @@ namespace m = ::simpo::fused::math;
 // those rows holds all TileN. Per row: the max of the thread's logits, a quad max by shuffles, then one exp per
 // logit against that max, a sum of exp and a sum of z, merged across the quad; one lane writes the tile's partials.
 //
-// Why it is written as straight-line code: the pass runs on the mainloop's warps (the cooperative kernel's
-// epilogue does not overlap its MMAs), two warps per scheduler, so its latency is what it costs. A per-logit `if`
+// Why it is written as straight-line code: the pass runs on the mainloop's warps, two per scheduler, and only
+// the next tile's first block of wgmmas runs beside it (epilogue_under_mma_kernel.cuh), so its latency shows. A per-logit `if`
 // (bias present, column inside N) made ptxas put every logit in its own branch with a convergence barrier, and
 // the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, "Row statistics"). Here the
 // bias and the edge-column mask are template parameters chosen once per tile, the rows of a thread are reduced
@@ -39,8 +39,9 @@ namespace m = ::simpo::fused::math;
 // (promoted_stats.h), a whole number as a float that CUTLASS's store converts to uint16 exactly.
 //
 // kEdges: the kernel may meet a bias or a tile reaching past column N, and picks the reduction per tile. Without
-// it (no bias, V a multiple of the tile width: the common case) the kernel holds only the plain reduction: the
-// masked and biased ones, inlined beside it, need more than the 168 registers a thread has and make ptxas spill.
+// it (no bias, V a multiple of the tile width: the common case) the kernel holds only the plain reduction, which
+// fits the registers beside the next tile's block of accumulators; the masked and biased ones, inlined beside it,
+// make ptxas spill even with the epilogue after the MMAs, so that kernel keeps CUTLASS's order.
 template <bool kDistances, bool kEdges>
 struct StatsPass {
   using Params = LogitTileStats;

@@ -6,9 +6,9 @@
 //   template <...> CUTLASS_DEVICE void operator()(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
 //                                                 accumulators&, tiled_mma, thread_idx) const;
 // and `static constexpr bool under_mma`: whether the kernel runs it under the next tile's first wgmmas
-// (epilogue_under_mma_kernel.cuh). Its parameters ride from the GEMM's arguments to the epilogue on a pass-through node of CUTLASS's epilogue
-// visitor tree (EpilogueParams), which hands the accumulator to the store unchanged. Included only where CUTLASS
-// is (SIMPO_HAVE_CUTLASS_SM90).
+// (epilogue_under_mma_kernel.cuh). Its parameters ride from the GEMM's arguments to the epilogue on a pass-through
+// node of CUTLASS's epilogue visitor tree (EpilogueParams), which hands the accumulator to the store unchanged.
+// Included only where CUTLASS is (SIMPO_HAVE_CUTLASS_SM90).
 #pragma once
 
 #include "cute/tensor.hpp"
