@@ -100,13 +100,14 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
 // logits). The third shape has 330 tiles, more than two per CTA on any GPU of <= 132 SMs, so a tile's epilogue runs
 // under the next tile's first wgmmas (promoted_stats.cu), with K a partial last k tile, at promotion every k tile
 // (64) and every four (256). With distances the gradients move by their rounding (2^-12 of each softmax value), so
-// the comparison there is the scalars'. V = 384 runs without a bias: the kernels without edges (promoted_stats.cu).
+// the comparison there is the scalars'. V = 384 and 12288 run without a bias: the kernels without edges
+// (promoted_stats.cu), whose epilogue runs under the next tile's wgmmas; 12288 with 320 tiles, so that CTAs meet it.
 TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the epilogue statistics need the promoted GEMM (CUTLASS build, compute capability 9.0)";
   for (Shape shape : {Shape{.B = 4, .T = 50, .H = 136, .V = 200}, Shape{.B = 2, .T = 300, .H = 64, .V = 384},
-                      Shape{.B = 2, .T = 300, .H = 200, .V = 6152}}) {
+                      Shape{.B = 2, .T = 300, .H = 200, .V = 6152}, Shape{.B = 2, .T = 300, .H = 200, .V = 12288}}) {
     CaseSpec spec = spec_of(shape, 30.0, 35);
     spec.bias = shape.V % cuda::statistics_tile_columns != 0;
     spec.ignore = IgnorePattern::random;
