@@ -97,11 +97,11 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
 // statistics come from the epilogue that writes the logit distances), with a bias, random ignored rows and a custom
 // ignore_index, at V not a multiple of the 192-wide tile (200: a last tile of 8 columns) or a multiple (384), rows
 // not a multiple of the 128-row tile; against row_stats_kernel (the forward through cuBLAS, the full step with fp32
-// logits). The third shape has 330 tiles, more than two per CTA on any GPU of <= 132 SMs, so a tile's epilogue runs
-// under the next tile's first wgmmas (promoted_stats.cu), with K a partial last k tile, at promotion every k tile
-// (64) and every four (256). With distances the gradients move by their rounding (2^-12 of each softmax value), so
-// the comparison there is the scalars'. V = 384 and 12288 run without a bias: the kernels without edges
-// (promoted_stats.cu), whose epilogue runs under the next tile's wgmmas; 12288 with 320 tiles, so that CTAs meet it.
+// logits). The last two shapes have K a partial last k tile and 330 / 320 tiles, more than two per CTA on any GPU
+// of <= 132 SMs; at promotion every k tile (64) and every four (256). V = 384 and 12288 run without a bias: the
+// kernels without edges (promoted_stats.cu), whose epilogue runs under the next tile's first wgmmas
+// (epilogue_under_mma_kernel.cuh), so 12288 has CTAs run it with a tile pending. With distances the gradients move
+// by their rounding (2^-12 of each softmax value), so the comparison there is the scalars'.
 TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
