@@ -1,14 +1,20 @@
-# cmake -DCOMPILER=nvcc -DSOURCE=file.cu -DINCLUDES="dir|dir|..." -DKERNELS=regex -DOBJECT=out.o -P this
-# ptxas -v over SOURCE for sm_90a (the flags of the library that builds it); fails if any kernel whose mangled name
-# matches KERNELS spills registers to local memory, or if none matches (the pattern went stale).
+# cmake -DCOMPILER=nvcc -DSOURCE=file.cu -DINCLUDES="dir|dir|..." -DDEFINES="NAME=V|..." -DKERNELS=regex
+#       -DOBJECT=out.o -P this
+# ptxas -v over SOURCE for sm_90a, with the include folders and definitions of the library that builds it; fails if
+# any kernel whose mangled name matches KERNELS spills registers to local memory, or if none matches (the pattern
+# went stale).
 string(REPLACE "|" ";" include_dirs "${INCLUDES}")
-set(include_flags)
+string(REPLACE "|" ";" definitions "${DEFINES}")
+set(compile_flags)
 foreach(dir IN LISTS include_dirs)
-  list(APPEND include_flags "-I${dir}")
+  list(APPEND compile_flags "-I${dir}")
+endforeach()
+foreach(definition IN LISTS definitions)
+  list(APPEND compile_flags "-D${definition}")
 endforeach()
 execute_process(
   COMMAND "${COMPILER}" -O3 -DNDEBUG -std=c++20 --expt-relaxed-constexpr -diag-suppress=20012,2908
-          --generate-code=arch=compute_90a,code=sm_90a -DSIMPO_HAVE_CUTLASS_SM90=1 ${include_flags}
+          --generate-code=arch=compute_90a,code=sm_90a ${compile_flags}
           -Xptxas=-v -c "${SOURCE}" -o "${OBJECT}"
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
