@@ -378,8 +378,8 @@ class ChunkedStep {
                                   plan_.logits.promotion_k, out, stream_, gemm_scratch_,
                                   static_cast<std::size_t>(l_.gemm_bytes));
       else
-        promoted_logits_stats(rows, V, ld_h, x, p_.weight, nullptr, ld_v_, plan_.logits.promotion_k, out, stream_,
-                              gemm_scratch_, static_cast<std::size_t>(l_.gemm_bytes));
+        promoted_logits_stats(rows, V, ld_h, x, p_.weight, plan_.logits.promotion_k, out, stream_, gemm_scratch_,
+                              static_cast<std::size_t>(l_.gemm_bytes));
     };
     const RowRange& first = c.parts[0];
     if (c.part_count == 1) {
@@ -479,8 +479,8 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
       out.tile_sum_exp = tile_sum_exp;
       out.tile_sum = tile_sum;
       out.z_target = rows.z_target_raw + part.begin;
-      promoted_logits_stats(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, nullptr, V, promotion_k, out,
-                            stream, gemm_scratch, gemm_bytes);
+      promoted_logits_stats(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, promotion_k, out, stream,
+                            gemm_scratch, gemm_bytes);
       const TileStatsRows partials{tile_max, tile_sum_exp, tile_sum, l.stat_rows, tiles, part.rows(), part.begin,
                                    rows.z_target_raw, p.target, hp.ignore_index};
       launch_merge_tile_stats(partials, rows.row_max, rows.lse, rows.z_target, rows.rowsum, stream);

@@ -1,8 +1,8 @@
 // The promoted logits GEMM with the row statistics in its epilogue (promoted_stats.h): register_epilogue.cuh's
 // GEMM (promoted_gemm.cu's default mainloop) with StatsPass, which reduces each row of the accumulator tile in
 // registers (a max, then one exp per logit against it, a sum; the four lanes sharing a row merge by shuffles; one
-// lane per row writes the tile's partials) before CUTLASS's store of the fp32 logits, or no store at all (ElementD
-// = void) for the forward. The first version reduced inside an epilogue visitor node, one fragment at a time with
+// lane per row writes the tile's partials), then stores nothing (ElementD = void: the forward) or each logit's
+// 16-bit distance below its tile's max (the full step). The first version reduced inside an epilogue visitor node, one fragment at a time with
 // an online (branching) max: slower than storing the logits and reading them back (BENCHMARKS.md, "Row statistics").
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/promoted_gemm.h"
@@ -32,67 +32,63 @@ namespace m = ::simpo::fused::math;
 // the next tile's first block of wgmmas runs beside it (epilogue_under_mma_kernel.cuh), so its latency shows. A
 // per-logit `if` (bias present, column inside N) made ptxas put every logit in its own branch with a convergence
 // barrier, and the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, "Row
-// statistics"). Here the bias and the edge-column mask are template parameters chosen once per tile, the rows of a
-// thread are reduced side by side, and the only branch left is around the target logit (rows whose target falls in
-// this tile).
+// statistics"). Here the rows of a thread are reduced side by side, and the only branch left is around the target
+// logit (rows whose target falls in this tile).
 //
 // kDistances: after the statistics, each accumulator becomes its logit distance below the row's tile max
 // (promoted_stats.h), a whole number as a float that CUTLASS's store converts to uint16 exactly.
 //
-// kEdges: the kernel may meet a bias or a tile reaching past column N, and picks the reduction per tile. Without
-// it (no bias, V a multiple of the tile width: the common case) the kernel holds only the plain reduction, which
-// fits the registers beside the next tile's block of accumulators; the masked and biased ones, inlined beside it,
-// make ptxas spill even with the epilogue after the MMAs, so that kernel keeps CUTLASS's order.
-template <bool kDistances, bool kEdges>
+// kBias (a bias is added to each logit) and kMask (V is not a multiple of the tile width, so the last tile reaches
+// past column N) are the host's choice, one kernel each: a kernel holding several reductions, or a bias value or a
+// column held per logit across the passes, spills beside the accumulators. Both are applied in place first, so
+// the passes read plain logits. The pass runs under the next tile's first wgmmas (a second block of accumulator
+// registers live) in every kernel but the one with both, which keeps CUTLASS's order: there it would spill.
+// ctest promoted_stats_kernels_fit_registers holds every kernel here to no spills.
+template <bool kDistances, bool kBias, bool kMask>
 struct StatsPass {
   using Params = LogitTileStats;
-  static constexpr bool under_mma = !kEdges;  // the kernel with edges would spill beside a second accumulator tile
+  static constexpr bool under_mma = !(kBias && kMask);
   LogitTileStats stats;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                                  TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma,
                                  int thread_idx) const {
-    if constexpr (!kEdges) {
-      reduce<false, false>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
-      return;
-    }
-    const int n0 = static_cast<int>(get<1>(tile_coord_mnkl)) * decltype(size<1>(tile_shape_MNK))::value;
-    const bool whole_columns = n0 + decltype(size<1>(tile_shape_MNK))::value <= static_cast<int>(get<1>(problem_shape_mnkl));
-    const bool bias = stats.bias != nullptr;
-    if (whole_columns && !bias) reduce<false, false>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
-    else if (whole_columns) reduce<false, true>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
-    else if (!bias) reduce<true, false>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
-    else reduce<true, true>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
-  }
-
-  // kMask: the tile reaches past column N (those accumulators are left out); kBias: a bias is added to each logit.
-  template <bool kMask, bool kBias, class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor,
-            class TiledMma>
-  CUTLASS_DEVICE void reduce(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
-                             TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma,
-                             int thread_idx) const {
     constexpr int kRows = accumulator_rows<AccTensor>;
     constexpr int kTileN = decltype(size<1>(tile_shape_MNK))::value;
     auto [M, N, K, L] = problem_shape_mnkl;
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
     const int m0 = static_cast<int>(m_tile) * decltype(size<0>(tile_shape_MNK))::value;
     const int n0 = static_cast<int>(n_tile) * kTileN;
-    // (row, column) of every accumulator inside the tile.
-    auto coords = tiled_mma.get_thread_slice(thread_idx)
-                      .partition_C(make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK))));
-    auto column_of = [&](int c, int g, int mn) {
-      return n0 + static_cast<int>(get<1>(coords(accumulator_at(0, c, g, mn))));
+    // (row, column) of every accumulator inside the tile. A thread's column of accumulator (c, g, mn) is its
+    // first column plus an offset that every thread shares (thread 0's, constants once unrolled): a column inside
+    // N is one offset below the thread's `limit`, a compare against one register instead of a column per logit.
+    auto identity = make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK)));
+    auto coords = tiled_mma.get_thread_slice(thread_idx).partition_C(identity);
+    auto shared = tiled_mma.get_thread_slice(0).partition_C(identity);
+    auto offset = [&](int c, int g, int mn) {
+      return static_cast<int>(get<1>(shared(accumulator_at(0, c, g, mn)))) -
+             static_cast<int>(get<1>(shared(accumulator_at(0, 0, 0, 0))));
     };
-    auto logit = [&](int i, int c, int g, int mn) {
-      float z = acc(accumulator_at(i, c, g, mn));
-      if constexpr (kBias) {
-        const int column = column_of(c, g, mn);
-        z += __bfloat162float(stats.bias[column < static_cast<int>(N) ? column : 0]);
-      }
-      return z;
-    };
-    auto inside = [&](int c, int g, int mn) { return !kMask || column_of(c, g, mn) < static_cast<int>(N); };
+    const int first_column = n0 + static_cast<int>(get<1>(coords(accumulator_at(0, 0, 0, 0))));
+    const int limit = static_cast<int>(N) - first_column;
+    auto column_of = [&](int c, int g, int mn) { return first_column + offset(c, g, mn); };
+    auto inside = [&](int c, int g, int mn) { return !kMask || offset(c, g, mn) < limit; };
+    // The bias added in place and the columns past N set to -inf, a column at a time (the bias value and the
+    // predicate die at once): the max and the exps below then read plain logits (exp(-inf - max) = 0), and only
+    // the sum of z keeps a select (a real -inf logit must still reach it: SPEC's NaN/Inf rule reads the sums).
+    if constexpr (kBias || kMask)
+      for_each_accumulator_column(acc, [&](int c, int g, int mn) {
+        const bool in = inside(c, g, mn);
+        float b = 0.0f;
+        if constexpr (kBias) b = in ? __bfloat162float(stats.bias[column_of(c, g, mn)]) : 0.0f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          float& z = acc(accumulator_at(i, c, g, mn));
+          z = in ? z + b : -INFINITY;
+        }
+      });
+    auto logit = [&](int i, int c, int g, int mn) { return acc(accumulator_at(i, c, g, mn)); };
 
     int row[kRows];
     std::int64_t at[kRows];  // the row's index in target and z_target (LogitTileStats::split)
@@ -108,7 +104,7 @@ struct StatsPass {
       sum_exp[i] = sum[i] = 0.0f;
     }
     for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
-      row_max[i] = fmaxf(row_max[i], inside(c, g, mn) ? logit(i, c, g, mn) : -INFINITY);
+      row_max[i] = fmaxf(row_max[i], logit(i, c, g, mn));
     });
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -120,10 +116,9 @@ struct StatsPass {
       // exp(z - max) by the SFU's 2^x alone (__expf), not expf's accurate range reduction, a third of the
       // instructions in the pass that the tensor cores wait for. Its error grows with |z - max|: the terms that
       // dominate the tile's sum (z near its max) keep near-fp32 accuracy, and the rest carry weights too small
-      // to move lse by more than a fraction of the GEMM's own promotion bias. Computed everywhere, kept by a
-      // select: no branch.
+      // to move lse by more than a fraction of the GEMM's own promotion bias.
       const float e = __expf(z - row_max[i]);
-      sum_exp[i] += inside(c, g, mn) ? e : 0.0f;
+      sum_exp[i] += e;
       sum[i] += inside(c, g, mn) ? z : 0.0f;
     });
     const bool writer = (thread_idx % 4) == 0;
@@ -158,12 +153,11 @@ struct StatsPass {
   }
 };
 
-// The fp32 logits stored after the statistics (the full step), no output at all (the forward), or the logit
-// distances (the full step with Options::logit_distances); each with and without edges (StatsPass).
-template <bool kEdges> using StatsGemm = RegisterEpilogueGemm<StatsPass<false, kEdges>, float, 4>;
-template <bool kEdges> using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass<false, kEdges>, void, 4>;
-template <bool kEdges> using DistancesGemm = RegisterEpilogueGemm<StatsPass<true, kEdges>, std::uint16_t, 8>;
-static_assert(cute::size<1>(StatsGemm<false>::TileShape{}) == statistics_tile_columns &&
+// No output at all (the forward, the low-memory schedule's statistics) or the logit distances (the full step); each
+// with and without a bias and a partial last tile (StatsPass).
+template <bool kB, bool kM> using StatsOnlyGemm = RegisterEpilogueGemm<StatsPass<false, kB, kM>, void, 4>;
+template <bool kB, bool kM> using DistancesGemm = RegisterEpilogueGemm<StatsPass<true, kB, kM>, std::uint16_t, 8>;
+static_assert(cute::size<1>(StatsOnlyGemm<false, false>::TileShape{}) == statistics_tile_columns &&
                   statistics_tile_columns == m::logit_distance_tile,
               "the partials' tiles, and the distances' tiles (the cpu backend's too), are the GEMM's column tiles");
 
@@ -181,28 +175,24 @@ void check_statistics_gemm(const char* what, std::int64_t rows, std::int64_t pro
     throw CudaError(std::string(what) + ": ld " + std::to_string(stats.ld) + " < rows " + std::to_string(rows));
 }
 
-// Whether the GEMM over V columns needs the kernel that handles a bias and a partial last tile (StatsPass).
-bool has_edges(std::int64_t V, const LogitTileStats& stats) {
-  return stats.bias != nullptr || V % statistics_tile_columns != 0;
+// The kernel for a bias or none, and for a last tile reaching past V or none (StatsPass).
+template <template <bool, bool> class Gemm>
+auto pick(std::int64_t V, const LogitTileStats& stats) {
+  const bool bias = stats.bias != nullptr, mask = V % statistics_tile_columns != 0;
+  return bias ? (mask ? Gemm<true, true>::run : Gemm<true, false>::run)
+              : (mask ? Gemm<false, true>::run : Gemm<false, false>::run);
 }
 }  // namespace
 
 void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
-                           const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits,
-                           std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,
-                           void* workspace, std::size_t workspace_bytes) {
+                           const __nv_bfloat16* weight, std::int64_t promotion_k, const LogitTileStats& stats,
+                           cudaStream_t stream, void* workspace, std::size_t workspace_bytes) {
   if (rows == 0 || V == 0) return;
   constexpr const char* what = "promoted logits GEMM with statistics";
   check_statistics_gemm(what, rows, promotion_k, stats);
   if (V % 4 != 0) throw CudaError(std::string(what) + ": V = " + std::to_string(V) + " is not a multiple of 4");
-  const bool edges = has_edges(V, stats);
-  if (logits != nullptr)
-    (edges ? StatsGemm<true>::run : StatsGemm<false>::run)(what, rows, V, ld_h, x, weight, logits, ld_logits,
-                                                           promotion_k, stats, stream, workspace, workspace_bytes);
-  else
-    (edges ? StatsOnlyGemm<true>::run : StatsOnlyGemm<false>::run)(what, rows, V, ld_h, x, weight, nullptr, V,
-                                                                   promotion_k, stats, stream, workspace,
-                                                                   workspace_bytes);
+  pick<StatsOnlyGemm>(V, stats)(what, rows, V, ld_h, x, weight, nullptr, V, promotion_k, stats, stream, workspace,
+                                workspace_bytes);
 }
 
 void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
@@ -215,7 +205,7 @@ void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t l
   if (V % 8 != 0 || ld_distances % 8 != 0 || ld_distances < V)
     throw CudaError(std::string(what) + ": V = " + std::to_string(V) + " and ld " + std::to_string(ld_distances) +
                     " must be multiples of 8, ld >= V");
-  (has_edges(V, stats) ? DistancesGemm<true>::run : DistancesGemm<false>::run)(
+  pick<DistancesGemm>(V, stats)(
       what, rows, V, ld_h, x, weight, distances, ld_distances, promotion_k, stats, stream, workspace,
       workspace_bytes);
 }
@@ -224,8 +214,7 @@ void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t l
 
 bool promoted_stats_available() { return false; }
 void promoted_logits_stats(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, const __nv_bfloat16*,
-                           float*, std::int64_t, std::int64_t, const LogitTileStats&, cudaStream_t, void*,
-                           std::size_t) {
+                           std::int64_t, const LogitTileStats&, cudaStream_t, void*, std::size_t) {
   throw CudaError("promoted logits GEMM with statistics: not built (needs CUTLASS and an sm_90a target)");
 }
 void promoted_logits_distances(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, const __nv_bfloat16*,

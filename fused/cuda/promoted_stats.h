@@ -41,13 +41,12 @@ struct LogitTileStats {
 // Built (CUTLASS, sm_90a) and the device runs it: promoted_logits_available().
 bool promoted_stats_available();
 
-// logits[rows, ld_logits] = x weight^T as promoted_logits does (variant 0), or no logits at all when `logits`
-// is nullptr, with the statistics into `stats`. V must be a multiple of 4 (the fp32 TMA store's unit; the
-// runner keeps the separate statistics pass otherwise). Throws CudaError when it cannot run the shape.
+// The statistics of x weight^T (the logits promoted_logits computes, bit for bit) into `stats`, no logits
+// stored. V must be a multiple of 4 (the promoted GEMM's column unit; the runner keeps the separate statistics
+// pass otherwise). Throws CudaError when it cannot run the shape.
 void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
-                           const __nv_bfloat16* weight, float* logits, std::int64_t ld_logits,
-                           std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,
-                           void* workspace, std::size_t workspace_bytes);
+                           const __nv_bfloat16* weight, std::int64_t promotion_k, const LogitTileStats& stats,
+                           cudaStream_t stream, void* workspace, std::size_t workspace_bytes);
 
 // Logit distances (fused/simpo_math.h, "logit distances"): what the full step's dz needs of a logit, in 16 bits.
 // After the statistics, each logit z (bias included) is stored as math::logit_distance(m, z), its distance below

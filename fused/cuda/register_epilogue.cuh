@@ -128,6 +128,19 @@ CUTLASS_DEVICE void for_each_accumulator(AccTensor const& acc, F&& f) {
         for (int c = 0; c < 2; ++c) f(i, c, g, mn);
 }
 
+// f(c, g, mn) once for each column a thread holds (the same in each of its rows), unrolled.
+template <class AccTensor, class F>
+CUTLASS_DEVICE void for_each_accumulator_column(AccTensor const& acc, F&& f) {
+  using namespace cute;
+  constexpr int kGroups = decltype(size<0, 2>(acc))::value, kMmaN = decltype(size<2>(acc))::value;
+  CUTLASS_PRAGMA_UNROLL
+  for (int mn = 0; mn < kMmaN; ++mn)
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kGroups; ++g)
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 2; ++c) f(c, g, mn);
+}
+
 // out[rows, ld_out] of ElementD (void: no output) = what the pass leaves of x weight^T, kAlignD elements (16
 // bytes) the store's unit.
 template <class Pass, class ElementD, int kAlignD>

@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
       promoted_logits(M, N, K, x, w, logits.as<float>(), N, pk, nullptr, scratch.get(), scratch.bytes());
     };
     auto statistics = [&](int M, std::int64_t pk) {
-      promoted_logits_stats(M, N, K, x, w, nullptr, 0, pk, stats, nullptr, scratch.get(), scratch.bytes());
+      promoted_logits_stats(M, N, K, x, w, pk, stats, nullptr, scratch.get(), scratch.bytes());
     };
     auto distances = [&](int M, std::int64_t pk) {
       promoted_logits_distances(M, N, K, x, w, reinterpret_cast<std::uint16_t*>(logits.get()), N, pk, stats, nullptr,

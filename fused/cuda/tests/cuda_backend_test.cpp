@@ -160,84 +160,106 @@ std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng)
   return out;
 }
 
-// The distances GEMM against the fp32-logits statistics GEMM of the same mainloop (so the same logits, bit for bit):
-// every stored q is min(round((tile max - z) 2^11), 65535) of its logit (bias added) and its row's tile max, the
-// partials and target logits are the same, and the columns past V are not written (V = 1000: a partial 40-column
-// last tile; 200 rows: a partial row tile). Logits of spread ~30 leave many distances saturated.
+// The statistics GEMMs against the plain promoted GEMM (the same mainloop, so the same logits, bit for bit), in
+// each of their kernels (a bias or none; V = 1000, whose last tile has 40 columns, or V = 960, five whole tiles):
+// every tile max is the max of the plain logits (bias added) over the tile's columns, every target logit is its
+// plain logit, the forward's kernel and the distances' agree on all partials, every stored q is
+// min(round((tile max - z) 2^11), 65535), and the columns past V are not written. 200 rows: a partial row tile;
+// logits of spread ~30 leave many distances saturated.
 TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the logit distances need the promoted GEMM (CUTLASS build, compute capability 9.0)";
-  const std::int64_t rows = 200, V = 1000, H = 96, ld = 1008, tiles = cuda::statistics_tiles(V);
+  const std::int64_t rows = 200, H = 96, ld = 1008;
   std::mt19937_64 rng(61);
-  const std::vector<bf16> x = random_bf16(rows * H, 1.0, rng), w = random_bf16(V * H, 3.0, rng),
-                          bias = random_bf16(V, 2.0, rng);
-  std::vector<std::int64_t> target(rows);
-  for (std::int64_t r = 0; r < rows; ++r) target[r] = (r * 37) % V;
+  const std::vector<bf16> x = random_bf16(rows * H, 1.0, rng), w = random_bf16(1000 * H, 3.0, rng),
+                          bias = random_bf16(1000, 2.0, rng);
   auto upload = [](const void* data, std::size_t bytes, const char* what) {
     cuda::DeviceBuffer b(bytes, what);
     EXPECT_EQ(cudaMemcpy(b.get(), data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
     return b;
   };
-  const cuda::DeviceBuffer x_d = upload(x.data(), x.size() * 2, "x"), w_d = upload(w.data(), w.size() * 2, "w"),
-                           bias_d = upload(bias.data(), bias.size() * 2, "bias"),
-                           target_d = upload(target.data(), target.size() * 8, "target");
-  struct Partials {
-    cuda::DeviceBuffer max, sum_exp, sum, z_target;
-    cuda::LogitTileStats stats;
-  };
-  auto partials = [&](const char* what) {
-    Partials p{cuda::DeviceBuffer(tiles * rows * 4, what), cuda::DeviceBuffer(tiles * rows * 4, what),
-               cuda::DeviceBuffer(tiles * rows * 8, what), cuda::DeviceBuffer(rows * 4, what), {}};
-    p.stats.bias = bias_d.as<__nv_bfloat16>();
-    p.stats.target = target_d.as<std::int64_t>();
-    p.stats.ld = rows;
-    p.stats.tile_max = p.max.as<float>();
-    p.stats.tile_sum_exp = p.sum_exp.as<float>();
-    p.stats.tile_sum = p.sum.as<double>();
-    p.stats.z_target = p.z_target.as<float>();
-    return p;
-  };
-  Partials with_logits = partials("fp32 logits' partials"), with_distances = partials("distances' partials");
-  cuda::DeviceBuffer logits_d(rows * ld * 4, "logits"), distances_d(rows * ld * 2, "distances");
-  ASSERT_EQ(cudaMemset(distances_d.get(), 0x5A, distances_d.bytes()), cudaSuccess);  // columns past V keep it
-  cuda::promoted_logits_stats(rows, V, H, x_d.as<__nv_bfloat16>(), w_d.as<__nv_bfloat16>(), logits_d.as<float>(), ld,
-                              256, with_logits.stats, nullptr, nullptr, 0);
-  cuda::promoted_logits_distances(rows, V, H, x_d.as<__nv_bfloat16>(), w_d.as<__nv_bfloat16>(),
-                                  distances_d.as<std::uint16_t>(), ld, 256, with_distances.stats, nullptr, nullptr, 0);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   auto download = [](const cuda::DeviceBuffer& b, auto* out) {
     EXPECT_EQ(cudaMemcpy(out, b.get(), b.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
   };
-  std::vector<float> logits(rows * ld), tile_max(tiles * rows), tile_max_d(tiles * rows);
-  std::vector<std::uint16_t> q(rows * ld);
-  download(logits_d, logits.data());
-  download(distances_d, q.data());
-  download(with_logits.max, tile_max.data());
-  download(with_distances.max, tile_max_d.data());
-  EXPECT_EQ(tile_max, tile_max_d);
-  for (const auto& [a, b] : {std::pair{&with_logits.sum_exp, &with_distances.sum_exp},
-                             std::pair{&with_logits.sum, &with_distances.sum},
-                             std::pair{&with_logits.z_target, &with_distances.z_target}}) {
-    std::vector<char> ha(a->bytes()), hb(b->bytes());
-    download(*a, ha.data());
-    download(*b, hb.data());
-    EXPECT_EQ(ha, hb) << "the statistics differ";
-  }
-  int wrong = 0, saturated = 0, untouched_padding = 0;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t v = 0; v < V; ++v) {
-      const float z = logits[r * ld + v] + float(bias[v]);
-      const float m = tile_max[(v / cuda::statistics_tile_columns) * rows + r];
-      const float expected = math::logit_distance(m, z);
-      wrong += q[r * ld + v] != static_cast<std::uint16_t>(expected);
-      saturated += expected == math::logit_distance_saturated;
+  const cuda::DeviceBuffer x_d = upload(x.data(), x.size() * 2, "x"), w_d = upload(w.data(), w.size() * 2, "w"),
+                           bias_d = upload(bias.data(), bias.size() * 2, "bias");
+  for (const std::int64_t V : {1000, 960})
+    for (const bool with_bias : {true, false}) {
+      SCOPED_TRACE("V = " + std::to_string(V) + (with_bias ? ", bias" : ", no bias"));
+      const std::int64_t tiles = cuda::statistics_tiles(V);
+      std::vector<std::int64_t> target(rows);
+      for (std::int64_t r = 0; r < rows; ++r) target[r] = (r * 37) % V;
+      const cuda::DeviceBuffer target_d = upload(target.data(), target.size() * 8, "target");
+      struct Partials {
+        cuda::DeviceBuffer max, sum_exp, sum, z_target;
+        cuda::LogitTileStats stats;
+      };
+      auto partials = [&](const char* what) {
+        Partials p{cuda::DeviceBuffer(tiles * rows * 4, what), cuda::DeviceBuffer(tiles * rows * 4, what),
+                   cuda::DeviceBuffer(tiles * rows * 8, what), cuda::DeviceBuffer(rows * 4, what), {}};
+        p.stats.bias = with_bias ? bias_d.as<__nv_bfloat16>() : nullptr;
+        p.stats.target = target_d.as<std::int64_t>();
+        p.stats.ld = rows;
+        p.stats.tile_max = p.max.as<float>();
+        p.stats.tile_sum_exp = p.sum_exp.as<float>();
+        p.stats.tile_sum = p.sum.as<double>();
+        p.stats.z_target = p.z_target.as<float>();
+        return p;
+      };
+      Partials forward = partials("forward's partials"), with_distances = partials("distances' partials");
+      cuda::DeviceBuffer logits_d(rows * ld * 4, "logits"), distances_d(rows * ld * 2, "distances");
+      ASSERT_EQ(cudaMemset(distances_d.get(), 0x5A, distances_d.bytes()), cudaSuccess);  // columns past V keep it
+      const auto* xp = x_d.as<__nv_bfloat16>();
+      const auto* wp = w_d.as<__nv_bfloat16>();
+      cuda::promoted_logits(rows, V, H, xp, wp, logits_d.as<float>(), ld, 256, nullptr, nullptr, 0);
+      cuda::promoted_logits_stats(rows, V, H, xp, wp, 256, forward.stats, nullptr, nullptr, 0);
+      cuda::promoted_logits_distances(rows, V, H, xp, wp, distances_d.as<std::uint16_t>(), ld, 256,
+                                      with_distances.stats, nullptr, nullptr, 0);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> logits(rows * ld), tile_max(tiles * rows), tile_max_d(tiles * rows), z_target(rows);
+      std::vector<std::uint16_t> q(rows * ld);
+      download(logits_d, logits.data());
+      download(distances_d, q.data());
+      download(forward.max, tile_max.data());
+      download(with_distances.max, tile_max_d.data());
+      download(forward.z_target, z_target.data());
+      EXPECT_EQ(tile_max, tile_max_d);
+      for (const auto& [a, b] : {std::pair{&forward.sum_exp, &with_distances.sum_exp},
+                                 std::pair{&forward.sum, &with_distances.sum},
+                                 std::pair{&forward.z_target, &with_distances.z_target}}) {
+        std::vector<char> ha(a->bytes()), hb(b->bytes());
+        download(*a, ha.data());
+        download(*b, hb.data());
+        EXPECT_EQ(ha, hb) << "the forward's kernel and the distances' differ";
+      }
+      auto z_of = [&](std::int64_t r, std::int64_t v) {
+        return logits[r * ld + v] + (with_bias ? float(bias[v]) : 0.0f);
+      };
+      int wrong_max = 0, wrong_target = 0, wrong = 0, saturated = 0, untouched_padding = 0;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t t = 0; t < tiles; ++t) {
+          float m = -INFINITY;
+          for (std::int64_t v = t * cuda::statistics_tile_columns;
+               v < std::min(V, (t + 1) * cuda::statistics_tile_columns); ++v)
+            m = std::max(m, z_of(r, v));
+          wrong_max += tile_max[t * rows + r] != m;
+        }
+        wrong_target += z_target[r] != z_of(r, target[r]);
+        for (std::int64_t v = 0; v < V; ++v) {
+          const float m = tile_max[(v / cuda::statistics_tile_columns) * rows + r];
+          const float expected = math::logit_distance(m, z_of(r, v));
+          wrong += q[r * ld + v] != static_cast<std::uint16_t>(expected);
+          saturated += expected == math::logit_distance_saturated;
+        }
+        for (std::int64_t v = V; v < ld; ++v) untouched_padding += q[r * ld + v] == 0x5A5A;
+      }
+      EXPECT_EQ(wrong_max, 0) << "tile maxima unlike the plain GEMM's, of " << rows * tiles;
+      EXPECT_EQ(wrong_target, 0) << "target logits unlike the plain GEMM's, of " << rows;
+      EXPECT_EQ(wrong, 0) << "of " << rows * V;
+      EXPECT_GT(saturated, 0) << "the test should reach the saturation";
+      EXPECT_EQ(untouched_padding, rows * (ld - V)) << "the store wrote past column V";
     }
-    for (std::int64_t v = V; v < ld; ++v) untouched_padding += q[r * ld + v] == 0x5A5A;
-  }
-  EXPECT_EQ(wrong, 0) << "of " << rows * V;
-  EXPECT_GT(saturated, 0) << "the test should reach the saturation";
-  EXPECT_EQ(untouched_padding, rows * (ld - V)) << "the store wrote past column V";
 }
 
 // The runner with logit distances (the bar and the agreement with fp32 logits are the backend suite's
