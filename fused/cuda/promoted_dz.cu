@@ -23,32 +23,34 @@ namespace m = ::simpo::fused::math;
 
 // Per accumulator: z = logit + bias, then 0 at the target column and on rows of k = 0, else dz_kernel's
 // -k exp((z - row_max) - lse) (m::softmax_gradient), left in the register for the store to round to bf16.
-// Straight-line code, for the reason promoted_stats.cu gives: the bias is a template parameter chosen once per
-// tile, rows past M read row M - 1's values (the store masks them), and the zeros are selects, so no logit sits
-// in a branch of its own and the exps of a thread's 96 logits overlap.
+// Straight-line code that fits the registers, for the reasons promoted_stats.cu gives: the bias is the host's
+// choice, one kernel each, added in place a column at a time; a thread's columns are its first column plus offsets
+// every thread shares (constants once unrolled), so the target test compares a constant with one register per row;
+// rows past M read row M - 1's values (the store masks them), and the zeros are selects, so no logit sits in a
+// branch of its own and the exps of a thread's 96 logits overlap. It runs under the next tile's first wgmmas.
+template <bool kBias>
 struct DzPass {
   using Params = DzTile;
-  static constexpr bool under_mma = false;  // with its bias variant beside a second accumulator tile, it spills
+  static constexpr bool under_mma = true;
   DzTile dz;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                                  TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma,
                                  int thread_idx) const {
-    if (dz.bias != nullptr) rewrite<true>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
-    else rewrite<false>(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, acc, tiled_mma, thread_idx);
-  }
-
-  template <bool kBias, class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
-  CUTLASS_DEVICE void rewrite(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
-                              TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma, int thread_idx) const {
     constexpr int kRows = accumulator_rows<AccTensor>;
     auto [M, N, K, L] = problem_shape_mnkl;
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
     const int m0 = static_cast<int>(m_tile) * decltype(size<0>(tile_shape_MNK))::value;
     const int n0 = static_cast<int>(n_tile) * decltype(size<1>(tile_shape_MNK))::value;
-    auto coords = tiled_mma.get_thread_slice(thread_idx)
-                      .partition_C(make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK))));
+    auto identity = make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK)));
+    auto coords = tiled_mma.get_thread_slice(thread_idx).partition_C(identity);
+    auto shared = tiled_mma.get_thread_slice(0).partition_C(identity);
+    auto offset = [&](int c, int g, int mn) {
+      return static_cast<int>(get<1>(shared(accumulator_at(0, c, g, mn)))) -
+             static_cast<int>(get<1>(shared(accumulator_at(0, 0, 0, 0))));
+    };
+    const int first_column = n0 + static_cast<int>(get<1>(coords(accumulator_at(0, 0, 0, 0))));
 
     float k[kRows], shift[kRows], row_lse[kRows];
     std::int64_t t[kRows];
@@ -59,22 +61,27 @@ struct DzPass {
       k[i] = dz.row_k[global];
       shift[i] = dz.row_max[global];
       row_lse[i] = dz.lse[global];
-      // The target's column in this GEMM (maybe outside it): 0 there, its value is target_coef's.
-      t[i] = dz.target[global] - dz.column_begin;
+      // The target's offset among this thread's columns (maybe outside them): 0 there, its value is target_coef's.
+      t[i] = dz.target[global] - dz.column_begin - first_column;
     }
+    if constexpr (kBias)
+      for_each_accumulator_column(acc, [&](int c, int g, int mn) {
+        const int column = first_column + offset(c, g, mn);
+        const float b = column < static_cast<int>(N) ? __bfloat162float(dz.bias[column]) : 0.0f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) acc(accumulator_at(i, c, g, mn)) += b;
+      });
     for_each_accumulator(acc, [&](int i, int c, int g, int mn) {
-      const int column = n0 + static_cast<int>(get<1>(coords(accumulator_at(0, c, g, mn))));
-      float z = acc(accumulator_at(i, c, g, mn));
-      if constexpr (kBias) z += __bfloat162float(dz.bias[column < static_cast<int>(N) ? column : 0]);
+      float& z = acc(accumulator_at(i, c, g, mn));
       const float gradient = m::softmax_gradient(k[i], z - shift[i], row_lse[i]);
       // k == 0 (ignored rows, empty sequences): a zero row, as in dz_kernel (the select also drops the
       // exponential's value there, whatever the row's statistics are)
-      acc(accumulator_at(i, c, g, mn)) = (k[i] == 0.0f || column == t[i]) ? 0.0f : gradient;
+      z = (k[i] == 0.0f || offset(c, g, mn) == t[i]) ? 0.0f : gradient;
     });
   }
 };
 
-using DzGemm = RegisterEpilogueGemm<DzPass, cutlass::bfloat16_t, 8>;
+template <bool kBias> using DzGemm = RegisterEpilogueGemm<DzPass<kBias>, cutlass::bfloat16_t, 8>;
 
 }  // namespace
 
@@ -92,8 +99,9 @@ void promoted_logits_dz(std::int64_t rows, std::int64_t columns, std::int64_t ld
     throw CudaError("promoted dz GEMM: columns " + std::to_string(columns) + " and ld_dz " + std::to_string(ld_dz) +
                     " must be multiples of 8, ld_dz >= columns");
   if (!tile.valid()) throw CudaError("promoted dz GEMM: a row array or the targets are missing");
-  DzGemm::run("promoted dz GEMM", rows, columns, ld_h, x, weight, dz, ld_dz, promotion_k, tile, stream, workspace,
-              workspace_bytes);
+  (tile.bias != nullptr ? DzGemm<true>::run : DzGemm<false>::run)("promoted dz GEMM", rows, columns, ld_h, x, weight,
+                                                                   dz, ld_dz, promotion_k, tile, stream, workspace,
+                                                                   workspace_bytes);
 }
 
 #else  // without CUTLASS or an sm_90a target: the low-memory schedule's dz comes from dz_kernel
