@@ -43,30 +43,23 @@ struct DzPass {
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
     const int m0 = static_cast<int>(m_tile) * decltype(size<0>(tile_shape_MNK))::value;
     const int n0 = static_cast<int>(n_tile) * decltype(size<1>(tile_shape_MNK))::value;
-    auto identity = make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK)));
-    auto coords = tiled_mma.get_thread_slice(thread_idx).partition_C(identity);
-    auto shared = tiled_mma.get_thread_slice(0).partition_C(identity);
-    auto offset = [&](int c, int g, int mn) {
-      return static_cast<int>(get<1>(shared(accumulator_at(0, c, g, mn)))) -
-             static_cast<int>(get<1>(shared(accumulator_at(0, 0, 0, 0))));
-    };
-    const int first_column = n0 + static_cast<int>(get<1>(coords(accumulator_at(0, 0, 0, 0))));
+    const AccumulatorCoordinates<TiledMma, TileShapeMNK> place(tiled_mma, thread_idx, n0);
 
     float k[kRows], shift[kRows], row_lse[kRows];
     std::int64_t t[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      const int row = m0 + static_cast<int>(get<0>(coords(accumulator_at(i, 0, 0, 0))));
+      const int row = m0 + place.row(i);
       const std::int64_t global = dz.row_begin + (row < static_cast<int>(M) ? row : static_cast<int>(M) - 1);
       k[i] = dz.row_k[global];
       shift[i] = dz.row_max[global];
       row_lse[i] = dz.lse[global];
       // The target's offset among this thread's columns (maybe outside them): 0 there, its value is target_coef's.
-      t[i] = dz.target[global] - dz.column_begin - first_column;
+      t[i] = dz.target[global] - dz.column_begin - place.first_column;
     }
     if constexpr (kBias)
       for_each_accumulator_column(acc, [&](int c, int g, int mn) {
-        const int column = first_column + offset(c, g, mn);
+        const int column = place.column(c, g, mn);
         const float b = column < static_cast<int>(N) ? __bfloat162float(dz.bias[column]) : 0.0f;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) acc(accumulator_at(i, c, g, mn)) += b;
@@ -76,7 +69,7 @@ struct DzPass {
       const float gradient = m::softmax_gradient(k[i], z - shift[i], row_lse[i]);
       // k == 0 (ignored rows, empty sequences): a zero row, as in dz_kernel (the select also drops the
       // exponential's value there, whatever the row's statistics are)
-      z = (k[i] == 0.0f || offset(c, g, mn) == t[i]) ? 0.0f : gradient;
+      z = (k[i] == 0.0f || place.offset(c, g, mn) == t[i]) ? 0.0f : gradient;
     });
   }
 };

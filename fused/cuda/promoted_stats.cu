@@ -60,20 +60,11 @@ struct StatsPass {
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
     const int m0 = static_cast<int>(m_tile) * decltype(size<0>(tile_shape_MNK))::value;
     const int n0 = static_cast<int>(n_tile) * kTileN;
-    // (row, column) of every accumulator inside the tile. A thread's column of accumulator (c, g, mn) is its
-    // first column plus an offset that every thread shares (thread 0's, constants once unrolled): a column inside
-    // N is one offset below the thread's `limit`, a compare against one register instead of a column per logit.
-    auto identity = make_identity_tensor(make_shape(size<0>(tile_shape_MNK), size<1>(tile_shape_MNK)));
-    auto coords = tiled_mma.get_thread_slice(thread_idx).partition_C(identity);
-    auto shared = tiled_mma.get_thread_slice(0).partition_C(identity);
-    auto offset = [&](int c, int g, int mn) {
-      return static_cast<int>(get<1>(shared(accumulator_at(0, c, g, mn)))) -
-             static_cast<int>(get<1>(shared(accumulator_at(0, 0, 0, 0))));
-    };
-    const int first_column = n0 + static_cast<int>(get<1>(coords(accumulator_at(0, 0, 0, 0))));
-    const int limit = static_cast<int>(N) - first_column;
-    auto column_of = [&](int c, int g, int mn) { return first_column + offset(c, g, mn); };
-    auto inside = [&](int c, int g, int mn) { return !kMask || offset(c, g, mn) < limit; };
+    // A column inside N is one whose offset is below the thread's `limit` (AccumulatorCoordinates).
+    const AccumulatorCoordinates<TiledMma, TileShapeMNK> place(tiled_mma, thread_idx, n0);
+    const int limit = static_cast<int>(N) - place.first_column;
+    auto column_of = [&](int c, int g, int mn) { return place.column(c, g, mn); };
+    auto inside = [&](int c, int g, int mn) { return !kMask || place.offset(c, g, mn) < limit; };
     // The bias added in place and the columns past N set to -inf, a column at a time (the bias value and the
     // predicate die at once): the max and the exps below then read plain logits (exp(-inf - max) = 0), and only
     // the sum of z keeps a select (a real -inf logit must still reach it: SPEC's NaN/Inf rule reads the sums).
@@ -96,7 +87,7 @@ struct StatsPass {
     float row_max[kRows], sum_exp[kRows], sum[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      row[i] = m0 + static_cast<int>(get<0>(coords(accumulator_at(i, 0, 0, 0))));
+      row[i] = m0 + place.row(i);
       at[i] = row[i] + (row[i] >= stats.split ? stats.second : 0);
       // Loaded first: its latency hides behind the two passes.
       target[i] = row[i] < static_cast<int>(M) ? stats.target[at[i]] : stats.ignore_index;

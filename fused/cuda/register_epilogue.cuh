@@ -128,6 +128,30 @@ CUTLASS_DEVICE void for_each_accumulator(AccTensor const& acc, F&& f) {
         for (int c = 0; c < 2; ++c) f(i, c, g, mn);
 }
 
+// Where a thread's accumulators sit in the tile: row(i) of its rows, and column (c, g, mn) as `first_column` plus
+// offset(c, g, mn), an offset every thread shares (thread 0's, constants once unrolled), so that a test against a
+// column costs a compare with one register per thread, not a column held per accumulator. n0: the tile's first
+// column; rows count from the tile's first row.
+template <class TiledMma, class TileShapeMNK>
+struct AccumulatorCoordinates {
+  static CUTLASS_HOST_DEVICE auto identity() {
+    return cute::make_identity_tensor(cute::make_shape(cute::size<0>(TileShapeMNK{}), cute::size<1>(TileShapeMNK{})));
+  }
+  using Coordinates = decltype(std::declval<TiledMma>().get_thread_slice(0).partition_C(identity()));
+  Coordinates mine, shared;
+  int first_column;
+  CUTLASS_DEVICE AccumulatorCoordinates(TiledMma const& tiled_mma, int thread_idx, int n0)
+      : mine(tiled_mma.get_thread_slice(thread_idx).partition_C(identity())),
+        shared(tiled_mma.get_thread_slice(0).partition_C(identity())),
+        first_column(n0 + static_cast<int>(cute::get<1>(mine(accumulator_at(0, 0, 0, 0))))) {}
+  CUTLASS_DEVICE int row(int i) const { return static_cast<int>(cute::get<0>(mine(accumulator_at(i, 0, 0, 0)))); }
+  CUTLASS_DEVICE int offset(int c, int g, int mn) const {
+    return static_cast<int>(cute::get<1>(shared(accumulator_at(0, c, g, mn)))) -
+           static_cast<int>(cute::get<1>(shared(accumulator_at(0, 0, 0, 0))));
+  }
+  CUTLASS_DEVICE int column(int c, int g, int mn) const { return first_column + offset(c, g, mn); }
+};
+
 // f(c, g, mn) once for each column a thread holds (the same in each of its rows), unrolled.
 template <class AccTensor, class F>
 CUTLASS_DEVICE void for_each_accumulator_column(AccTensor const& acc, F&& f) {
