@@ -199,7 +199,7 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
 
   plan.logits = logits_gemm(H, input, options, device, tuning);
   const bool promoted = plan.logits.promoted;
-  const bool statistics_in_epilogue = promoted && V % 4 == 0;  // the fp32 TMA store's unit
+  const bool statistics_in_epilogue = promoted && V % 4 == 0;  // promoted_logits_stats's unit, the promoted GEMM's
   const bool distances = gradients && options.logit_distances && statistics_in_epilogue && V % 8 == 0;
 
   auto layout_for = [&](bool epilogue, bool with_distances) {
