@@ -2,8 +2,9 @@
 // GEMM (promoted_gemm.cu's default mainloop) with StatsPass, which reduces each row of the accumulator tile in
 // registers (a max, then one exp per logit against it, a sum; the four lanes sharing a row merge by shuffles; one
 // lane per row writes the tile's partials), then stores nothing (ElementD = void: the forward) or each logit's
-// 16-bit distance below its tile's max (the full step). The first version reduced inside an epilogue visitor node, one fragment at a time with
-// an online (branching) max: slower than storing the logits and reading them back (BENCHMARKS.md, "Row statistics").
+// 16-bit distance below its tile's max (the full step). The first version reduced inside an epilogue visitor node,
+// one fragment at a time with an online (branching) max: slower than storing the logits and reading them back
+// (BENCHMARKS.md, "Row statistics").
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_stats.h"
@@ -196,9 +197,8 @@ void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t l
   if (V % 8 != 0 || ld_distances % 8 != 0 || ld_distances < V)
     throw CudaError(std::string(what) + ": V = " + std::to_string(V) + " and ld " + std::to_string(ld_distances) +
                     " must be multiples of 8, ld >= V");
-  pick<DistancesGemm>(V, stats)(
-      what, rows, V, ld_h, x, weight, distances, ld_distances, promotion_k, stats, stream, workspace,
-      workspace_bytes);
+  pick<DistancesGemm>(V, stats)(what, rows, V, ld_h, x, weight, distances, ld_distances, promotion_k, stats, stream,
+                                workspace, workspace_bytes);
 }
 
 #else  // without CUTLASS or an sm_90a target: the runner keeps the separate statistics pass
