@@ -92,8 +92,10 @@ struct StaggeredMainloop : Base {
       open = false;
     };
 
-    // The first block's k tiles (or the tile's, if fewer), queued unwaited; then `under`.
-    const int first = cute::min(left, k_tile_count);
+    // The first block's k tiles (or the tile's, if fewer), queued unwaited; then `under`. No more than the
+    // pipeline's stages: none is released before `under`, and a wait on one more would wait on a stage the producer
+    // cannot refill (the block goes on accumulating in the loop below).
+    const int first = cute::min(cute::min(left, k_tile_count), static_cast<int>(Base::K_PIPE_MAX));
     CUTLASS_PRAGMA_NO_UNROLL
     for (int k_tile = 0; k_tile < first; ++k_tile) issue();
     under();

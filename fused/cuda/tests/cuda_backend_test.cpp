@@ -67,9 +67,10 @@ TEST(CudaBackendFeatures, LogitsKSlicesMeetTheBar) {
   }
 }
 
-// The promoted logits GEMM (promoted_gemm.h; the default on sm_90 when built with CUTLASS), promoting every 64 or
-// 256 k, computes the same function, at odd sizes (rows and V not multiples of a tile, V % 4 != 0 for the cuBLAS
-// tail, H = 31 padded to 32 < one k tile) as well. The full step with fp32 logits: the GEMM's stored logits and
+// The promoted logits GEMM (promoted_gemm.h; the default on sm_90 when built with CUTLASS), promoting every 64,
+// 256 or 512 k (512: a first block longer than the pipeline's stages, StaggeredMainloop), computes the same
+// function, at odd sizes (rows and V not multiples of a tile, V % 4 != 0 for the cuBLAS tail, H = 31 padded to 32 <
+// one k tile) as well. The full step with fp32 logits: the GEMM's stored logits and
 // row_stats_kernel over them.
 TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
   SKIP_WITHOUT_DEVICE();
@@ -81,7 +82,7 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
     spec.bias = true;
     const Problem problem = generate(spec);
     const TensorMap exact = reference::compute(problem);
-    for (std::int64_t promotion_k : {64, 256}) {
+    for (std::int64_t promotion_k : {64, 256, 512}) {
       SCOPED_TRACE(shape.to_string() + ", promotion_k " + std::to_string(promotion_k));
       Options options = cuda_options();
       options.logits_k_slice = promotion_k;
@@ -165,12 +166,13 @@ std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng)
 // every tile max is the max of the plain logits (bias added) over the tile's columns, every target logit is its
 // plain logit, the forward's kernel and the distances' agree on all partials, every stored q is
 // min(round((tile max - z) 2^11), 65535), and the columns past V are not written. 200 rows: a partial row tile;
-// logits of spread ~30 leave many distances saturated.
+// logits of spread ~30 leave many distances saturated. H = 520 (9 k tiles) at promotion every 256 and 512 k: the
+// first block shorter and longer than the pipeline's stages.
 TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
     GTEST_SKIP() << "the logit distances need the promoted GEMM (CUTLASS build, compute capability 9.0)";
-  const std::int64_t rows = 200, H = 96, ld = 1008;
+  const std::int64_t rows = 200, H = 520, ld = 1008;
   std::mt19937_64 rng(61);
   const std::vector<bf16> x = random_bf16(rows * H, 1.0, rng), w = random_bf16(1000 * H, 3.0, rng),
                           bias = random_bf16(1000, 2.0, rng);
@@ -185,81 +187,83 @@ TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
   const cuda::DeviceBuffer x_d = upload(x.data(), x.size() * 2, "x"), w_d = upload(w.data(), w.size() * 2, "w"),
                            bias_d = upload(bias.data(), bias.size() * 2, "bias");
   for (const std::int64_t V : {1000, 960})
-    for (const bool with_bias : {true, false}) {
-      SCOPED_TRACE("V = " + std::to_string(V) + (with_bias ? ", bias" : ", no bias"));
-      const std::int64_t tiles = cuda::statistics_tiles(V);
-      std::vector<std::int64_t> target(rows);
-      for (std::int64_t r = 0; r < rows; ++r) target[r] = (r * 37) % V;
-      const cuda::DeviceBuffer target_d = upload(target.data(), target.size() * 8, "target");
-      struct Partials {
-        cuda::DeviceBuffer max, sum_exp, sum, z_target;
-        cuda::LogitTileStats stats;
-      };
-      auto partials = [&](const char* what) {
-        Partials p{cuda::DeviceBuffer(tiles * rows * 4, what), cuda::DeviceBuffer(tiles * rows * 4, what),
-                   cuda::DeviceBuffer(tiles * rows * 8, what), cuda::DeviceBuffer(rows * 4, what), {}};
-        p.stats.bias = with_bias ? bias_d.as<__nv_bfloat16>() : nullptr;
-        p.stats.target = target_d.as<std::int64_t>();
-        p.stats.ld = rows;
-        p.stats.tile_max = p.max.as<float>();
-        p.stats.tile_sum_exp = p.sum_exp.as<float>();
-        p.stats.tile_sum = p.sum.as<double>();
-        p.stats.z_target = p.z_target.as<float>();
-        return p;
-      };
-      Partials forward = partials("forward's partials"), with_distances = partials("distances' partials");
-      cuda::DeviceBuffer logits_d(rows * ld * 4, "logits"), distances_d(rows * ld * 2, "distances");
-      ASSERT_EQ(cudaMemset(distances_d.get(), 0x5A, distances_d.bytes()), cudaSuccess);  // columns past V keep it
-      const auto* xp = x_d.as<__nv_bfloat16>();
-      const auto* wp = w_d.as<__nv_bfloat16>();
-      cuda::promoted_logits(rows, V, H, xp, wp, logits_d.as<float>(), ld, 256, nullptr, nullptr, 0);
-      cuda::promoted_logits_stats(rows, V, H, xp, wp, 256, forward.stats, nullptr, nullptr, 0);
-      cuda::promoted_logits_distances(rows, V, H, xp, wp, distances_d.as<std::uint16_t>(), ld, 256,
-                                      with_distances.stats, nullptr, nullptr, 0);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      std::vector<float> logits(rows * ld), tile_max(tiles * rows), tile_max_d(tiles * rows), z_target(rows);
-      std::vector<std::uint16_t> q(rows * ld);
-      download(logits_d, logits.data());
-      download(distances_d, q.data());
-      download(forward.max, tile_max.data());
-      download(with_distances.max, tile_max_d.data());
-      download(forward.z_target, z_target.data());
-      EXPECT_EQ(tile_max, tile_max_d);
-      for (const auto& [a, b] : {std::pair{&forward.sum_exp, &with_distances.sum_exp},
-                                 std::pair{&forward.sum, &with_distances.sum},
-                                 std::pair{&forward.z_target, &with_distances.z_target}}) {
-        std::vector<char> ha(a->bytes()), hb(b->bytes());
-        download(*a, ha.data());
-        download(*b, hb.data());
-        EXPECT_EQ(ha, hb) << "the forward's kernel and the distances' differ";
-      }
-      auto z_of = [&](std::int64_t r, std::int64_t v) {
-        return logits[r * ld + v] + (with_bias ? float(bias[v]) : 0.0f);
-      };
-      int wrong_max = 0, wrong_target = 0, wrong = 0, saturated = 0, untouched_padding = 0;
-      for (std::int64_t r = 0; r < rows; ++r) {
-        for (std::int64_t t = 0; t < tiles; ++t) {
-          float m = -INFINITY;
-          for (std::int64_t v = t * cuda::statistics_tile_columns;
-               v < std::min(V, (t + 1) * cuda::statistics_tile_columns); ++v)
-            m = std::max(m, z_of(r, v));
-          wrong_max += tile_max[t * rows + r] != m;
+    for (const bool with_bias : {true, false})
+      for (const std::int64_t promotion_k : {256, 512}) {
+        SCOPED_TRACE("V = " + std::to_string(V) + (with_bias ? ", bias" : ", no bias") + ", promotion_k " +
+                     std::to_string(promotion_k));
+        const std::int64_t tiles = cuda::statistics_tiles(V);
+        std::vector<std::int64_t> target(rows);
+        for (std::int64_t r = 0; r < rows; ++r) target[r] = (r * 37) % V;
+        const cuda::DeviceBuffer target_d = upload(target.data(), target.size() * 8, "target");
+        struct Partials {
+          cuda::DeviceBuffer max, sum_exp, sum, z_target;
+          cuda::LogitTileStats stats;
+        };
+        auto partials = [&](const char* what) {
+          Partials p{cuda::DeviceBuffer(tiles * rows * 4, what), cuda::DeviceBuffer(tiles * rows * 4, what),
+                     cuda::DeviceBuffer(tiles * rows * 8, what), cuda::DeviceBuffer(rows * 4, what), {}};
+          p.stats.bias = with_bias ? bias_d.as<__nv_bfloat16>() : nullptr;
+          p.stats.target = target_d.as<std::int64_t>();
+          p.stats.ld = rows;
+          p.stats.tile_max = p.max.as<float>();
+          p.stats.tile_sum_exp = p.sum_exp.as<float>();
+          p.stats.tile_sum = p.sum.as<double>();
+          p.stats.z_target = p.z_target.as<float>();
+          return p;
+        };
+        Partials forward = partials("forward's partials"), with_distances = partials("distances' partials");
+        cuda::DeviceBuffer logits_d(rows * ld * 4, "logits"), distances_d(rows * ld * 2, "distances");
+        ASSERT_EQ(cudaMemset(distances_d.get(), 0x5A, distances_d.bytes()), cudaSuccess);  // columns past V keep it
+        const auto* xp = x_d.as<__nv_bfloat16>();
+        const auto* wp = w_d.as<__nv_bfloat16>();
+        cuda::promoted_logits(rows, V, H, xp, wp, logits_d.as<float>(), ld, promotion_k, nullptr, nullptr, 0);
+        cuda::promoted_logits_stats(rows, V, H, xp, wp, promotion_k, forward.stats, nullptr, nullptr, 0);
+        cuda::promoted_logits_distances(rows, V, H, xp, wp, distances_d.as<std::uint16_t>(), ld, promotion_k,
+                                        with_distances.stats, nullptr, nullptr, 0);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        std::vector<float> logits(rows * ld), tile_max(tiles * rows), tile_max_d(tiles * rows), z_target(rows);
+        std::vector<std::uint16_t> q(rows * ld);
+        download(logits_d, logits.data());
+        download(distances_d, q.data());
+        download(forward.max, tile_max.data());
+        download(with_distances.max, tile_max_d.data());
+        download(forward.z_target, z_target.data());
+        EXPECT_EQ(tile_max, tile_max_d);
+        for (const auto& [a, b] : {std::pair{&forward.sum_exp, &with_distances.sum_exp},
+                                   std::pair{&forward.sum, &with_distances.sum},
+                                   std::pair{&forward.z_target, &with_distances.z_target}}) {
+          std::vector<char> ha(a->bytes()), hb(b->bytes());
+          download(*a, ha.data());
+          download(*b, hb.data());
+          EXPECT_EQ(ha, hb) << "the forward's kernel and the distances' differ";
         }
-        wrong_target += z_target[r] != z_of(r, target[r]);
-        for (std::int64_t v = 0; v < V; ++v) {
-          const float m = tile_max[(v / cuda::statistics_tile_columns) * rows + r];
-          const float expected = math::logit_distance(m, z_of(r, v));
-          wrong += q[r * ld + v] != static_cast<std::uint16_t>(expected);
-          saturated += expected == math::logit_distance_saturated;
+        auto z_of = [&](std::int64_t r, std::int64_t v) {
+          return logits[r * ld + v] + (with_bias ? float(bias[v]) : 0.0f);
+        };
+        int wrong_max = 0, wrong_target = 0, wrong = 0, saturated = 0, untouched_padding = 0;
+        for (std::int64_t r = 0; r < rows; ++r) {
+          for (std::int64_t t = 0; t < tiles; ++t) {
+            float m = -INFINITY;
+            for (std::int64_t v = t * cuda::statistics_tile_columns;
+                 v < std::min(V, (t + 1) * cuda::statistics_tile_columns); ++v)
+              m = std::max(m, z_of(r, v));
+            wrong_max += tile_max[t * rows + r] != m;
+          }
+          wrong_target += z_target[r] != z_of(r, target[r]);
+          for (std::int64_t v = 0; v < V; ++v) {
+            const float m = tile_max[(v / cuda::statistics_tile_columns) * rows + r];
+            const float expected = math::logit_distance(m, z_of(r, v));
+            wrong += q[r * ld + v] != static_cast<std::uint16_t>(expected);
+            saturated += expected == math::logit_distance_saturated;
+          }
+          for (std::int64_t v = V; v < ld; ++v) untouched_padding += q[r * ld + v] == 0x5A5A;
         }
-        for (std::int64_t v = V; v < ld; ++v) untouched_padding += q[r * ld + v] == 0x5A5A;
+        EXPECT_EQ(wrong_max, 0) << "tile maxima unlike the plain GEMM's, of " << rows * tiles;
+        EXPECT_EQ(wrong_target, 0) << "target logits unlike the plain GEMM's, of " << rows;
+        EXPECT_EQ(wrong, 0) << "of " << rows * V;
+        EXPECT_GT(saturated, 0) << "the test should reach the saturation";
+        EXPECT_EQ(untouched_padding, rows * (ld - V)) << "the store wrote past column V";
       }
-      EXPECT_EQ(wrong_max, 0) << "tile maxima unlike the plain GEMM's, of " << rows * tiles;
-      EXPECT_EQ(wrong_target, 0) << "target logits unlike the plain GEMM's, of " << rows;
-      EXPECT_EQ(wrong, 0) << "of " << rows * V;
-      EXPECT_GT(saturated, 0) << "the test should reach the saturation";
-      EXPECT_EQ(untouched_padding, rows * (ld - V)) << "the store wrote past column V";
-    }
 }
 
 // The runner with logit distances (the bar and the agreement with fp32 logits are the backend suite's
