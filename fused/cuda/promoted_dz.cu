@@ -35,14 +35,14 @@ struct DzPass {
   DzTile dz;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>
-  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK,
                                  TileCoordMNKL tile_coord_mnkl, AccTensor& acc, TiledMma tiled_mma,
                                  int thread_idx) const {
     constexpr int kRows = accumulator_rows<AccTensor>;
     auto [M, N, K, L] = problem_shape_mnkl;
     auto [m_tile, n_tile, k_tile, l_tile] = tile_coord_mnkl;
-    const int m0 = static_cast<int>(m_tile) * decltype(size<0>(tile_shape_MNK))::value;
-    const int n0 = static_cast<int>(n_tile) * decltype(size<1>(tile_shape_MNK))::value;
+    const int m0 = static_cast<int>(m_tile) * decltype(size<0>(TileShapeMNK{}))::value;
+    const int n0 = static_cast<int>(n_tile) * decltype(size<1>(TileShapeMNK{}))::value;
     const AccumulatorCoordinates<TiledMma, TileShapeMNK> place(tiled_mma, thread_idx, n0);
 
     float k[kRows], shift[kRows], row_lse[kRows];
