@@ -36,34 +36,19 @@ namespace {
 
 using namespace cute;
 
-struct PromotedGemm {
-  using TileShape = cute::Shape<_128, _192, _64>;
-  using ClusterShape = cute::Shape<_1, _1, _1>;
+struct PromotedGemm : LogitsGemmShape {
   using EpilogueTile = cute::Shape<_128, _16>;
-  using Element = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::RowMajor;     // x[rows, ld_h]: k contiguous
-  using LayoutB = cutlass::layout::ColumnMajor;  // weight[V, ld_h] as B (k x V, column-major): k contiguous
-  using LayoutD = cutlass::layout::RowMajor;     // logits[rows, ld_logits]
-  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using LayoutD = cutlass::layout::RowMajor;  // logits[rows, ld_logits]
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float,
       void, LayoutD, 4, float, LayoutD, 4,
       cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
-
-  using Plain = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      Schedule>::CollectiveOp;
-  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename Epilogue::SharedStorage));
+  using Plain = LogitsGemmShape::Plain<kEpilogueSmem>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
+                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-  // wgmma instructions per k tile: the promotion interval is counted in them.
-  static constexpr int kMmaK = 16;  // bf16 wgmma's k
   static_assert(size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 
   static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t V, std::int64_t ld_h,

@@ -131,14 +131,32 @@ struct StaggeredMainloop : Base {
   }
 };
 
-// The promoting collective for a bf16 GEMM whose tile layouts, copies and wgmma atoms come from the ordinary bf16
-// CollectiveBuilder (`Plain`), with another TiledMma where given.
-template <class Plain, class TileShape, class ClusterShape, class Schedule, class TiledMma = typename Plain::TiledMma>
-using PromotingCollective = cutlass::gemm::collective::CollectiveMma<
-    cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedFP8<Plain::DispatchPolicy::Stages, ClusterShape, Schedule>,
-    TileShape, cutlass::bfloat16_t, typename Plain::StrideA, cutlass::bfloat16_t, typename Plain::StrideB, TiledMma,
-    typename Plain::GmemTiledCopyA, typename Plain::SmemLayoutAtomA, typename Plain::SmemCopyAtomA,
-    typename Plain::TransformA, typename Plain::GmemTiledCopyB, typename Plain::SmemLayoutAtomB,
-    typename Plain::SmemCopyAtomB, typename Plain::TransformB>;
+// The logits GEMMs' operands, tiling and mainloop, one description for the plain promoted GEMM (promoted_gemm.cu)
+// and the register-epilogue ones (register_epilogue.cuh). x[rows, ld_h] is A and weight[V, ld_h] is B (k x V,
+// column-major), both k-contiguous bf16; tile 128x192x64, cluster 1x1 (BENCHMARKS.md). `Plain` is the ordinary bf16
+// CollectiveBuilder's collective for an epilogue of `kEpilogueSmem` bytes of shared memory (its tile layouts, copies,
+// wgmma atoms and stage count); `Mainloop` re-instantiates it with the dispatch policy of CUTLASS's FP8 mainloop
+// (whose GmmaFP8Accumulation promotes; nothing in it is FP8-specific but its name) and the staggered mma() above.
+struct LogitsGemmShape {
+  using TileShape = cute::Shape<cute::_128, cute::_192, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using Element = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  static constexpr int kMmaK = 16;  // bf16 wgmma's k: the promotion interval is counted in wgmmas
+
+  template <int kEpilogueSmem>
+  using Plain = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float, TileShape,
+      ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>, Schedule>::CollectiveOp;
+
+  template <int kEpilogueSmem, class P = Plain<kEpilogueSmem>>
+  using Mainloop = StaggeredMainloop<cutlass::gemm::collective::CollectiveMma<
+      cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedFP8<P::DispatchPolicy::Stages, ClusterShape, Schedule>,
+      TileShape, Element, typename P::StrideA, Element, typename P::StrideB, typename P::TiledMma,
+      typename P::GmemTiledCopyA, typename P::SmemLayoutAtomA, typename P::SmemCopyAtomA, typename P::TransformA,
+      typename P::GmemTiledCopyB, typename P::SmemLayoutAtomB, typename P::SmemCopyAtomB, typename P::TransformB>>;
+};
 
 }  // namespace simpo::fused::cuda

@@ -54,7 +54,7 @@ void promoted_logits_stats(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
 // z back from it. Half the bytes of fp32 logits: half the store, half dz's read, no separate statistics pass, and
 // twice the rows per chunk in the same memory (README, "Logit distances").
 // distances[rows, ld_distances] (uint16, V columns; V and ld_distances multiples of 8: the TMA store's 16 bytes) and
-// the statistics into `stats`, from one promoted GEMM (variant 0). Throws CudaError when it cannot run the shape.
+// the statistics into `stats`, from one promoted logits GEMM. Throws CudaError when it cannot run the shape.
 void promoted_logits_distances(std::int64_t rows, std::int64_t V, std::int64_t ld_h, const __nv_bfloat16* x,
                                const __nv_bfloat16* weight, std::uint16_t* distances, std::int64_t ld_distances,
                                std::int64_t promotion_k, const LogitTileStats& stats, cudaStream_t stream,

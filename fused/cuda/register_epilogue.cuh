@@ -1,5 +1,5 @@
-// The default promoted logits GEMM (promoted_gemm.cu's variant 0: 128x192x64 tile, cluster 1x1, staggered
-// promotion, promoted_mainloop.cuh) with a pass over the accumulator tile in registers before CUTLASS's TMA
+// The promoted logits GEMM (LogitsGemmShape in promoted_mainloop.cuh: the tile, cluster and staggered promotion
+// of promoted_gemm.cu's) with a pass over the accumulator tile in registers before CUTLASS's TMA
 // store: the epilogues of promoted_stats.cu (the row statistics, then the fp32 logits or no store) and
 // promoted_dz.cu (each logit rewritten into its dz, then a bf16 store). A Pass is a struct of its parameters,
 // `Params`, with
@@ -168,15 +168,9 @@ CUTLASS_DEVICE void for_each_accumulator_column(AccTensor const& acc, F&& f) {
 // out[rows, ld_out] of ElementD (void: no output) = what the pass leaves of x weight^T, kAlignD elements (16
 // bytes) the store's unit.
 template <class Pass, class ElementD, int kAlignD>
-struct RegisterEpilogueGemm {
+struct RegisterEpilogueGemm : LogitsGemmShape {
   using Params = typename Pass::Params;
-  using TileShape = cute::Shape<cute::_128, cute::_192, cute::_64>;  // promoted_gemm.cu's variant 0
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using Element = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::RowMajor;     // x[rows, ld_h]
-  using LayoutB = cutlass::layout::ColumnMajor;  // weight[V, ld_h] as B (k x V, column-major)
   using LayoutD = cutlass::layout::RowMajor;
-  using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<EpilogueParams<Params>, cutlass::epilogue::fusion::Sm90AccFetch>;
 
   // fp32 or no output: subtiles of 128x16, 16 KiB of epilogue shared memory for two (CUTLASS's automatic 128x32
@@ -191,19 +185,14 @@ struct RegisterEpilogueGemm {
       kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative, Callbacks>::CollectiveOp;
   using Epilogue = RegisterEpilogue<StockEpilogue, Pass>;
 
-  using Plain = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      Schedule>::CollectiveOp;
-  using Mainloop = StaggeredMainloop<PromotingCollective<Plain, TileShape, ClusterShape, Schedule>>;
-  using CutlassKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                             cutlass::gemm::PersistentScheduler>;
+  static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename Epilogue::SharedStorage));
+  using Plain = LogitsGemmShape::Plain<kEpilogueSmem>;
+  using CutlassKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
+                                                             Epilogue, cutlass::gemm::PersistentScheduler>;
   // The epilogue under the next tile's wgmmas where the pass fits the registers beside a second accumulator tile
   // (Pass::under_mma); CUTLASS's kernel, epilogue after the MMAs, where it would spill.
   using Kernel = cute::conditional_t<Pass::under_mma, EpilogueUnderMmaKernel<CutlassKernel>, CutlassKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static constexpr int kMmaK = 16;  // bf16 wgmma's k: the promotion interval is counted in wgmmas
   static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 
   // `what` names the GEMM in the errors.
