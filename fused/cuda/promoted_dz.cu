@@ -27,11 +27,10 @@ namespace m = ::simpo::fused::math;
 // choice, one kernel each, added in place a column at a time; a thread's columns are its first column plus offsets
 // every thread shares (constants once unrolled), so the target test compares a constant with one register per row;
 // rows past M read row M - 1's values (the store masks them), and the zeros are selects, so no logit sits in a
-// branch of its own and the exps of a thread's 96 logits overlap. It runs under the next tile's first wgmmas.
+// branch of its own and the exps of a thread's 96 logits overlap.
 template <bool kBias>
 struct DzPass {
   using Params = DzTile;
-  static constexpr bool under_mma = true;
   DzTile dz;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>

@@ -34,25 +34,12 @@ CUTLASS_DEVICE auto consumer_fragments(typename Base::TensorStorage& shared_tens
 // warpgroup drains and adds, the other still has a batch queued. The arithmetic is the same promotion (every
 // `interval` k tiles, the first block of warpgroup 1 half as long); the release protocol is the base's
 // (K_PIPE_MMAS = 1: each stage is released one k tile late, mma_tail releases the last).
-//
-// `under` (epilogue_under_mma_kernel.cuh) runs once, after the first block's wgmmas are issued and before any is
-// waited on: those k tiles' stages stay held until the block's promotion, and the accumulators are not touched
-// before it (the first promotion assigns the block rather than adding it), so `under` may still read the previous
-// tile's sums from them while the tensor cores work.
 template <class Base>
 struct StaggeredMainloop : Base {
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
                           FrgTensorC& accum, int k_tile_count, int thread_idx,
                           typename Base::TensorStorage& shared_tensors, typename Base::Params const& params) {
-    mma(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, params, [] {});
-  }
-
-  template <class FrgTensorC, class Under>
-  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
-                          FrgTensorC& accum, int k_tile_count, int thread_idx,
-                          typename Base::TensorStorage& shared_tensors, typename Base::Params const& params,
-                          Under&& under) {
     using namespace cute;
     typename Base::TiledMma tiled_mma;
     auto fragments = consumer_fragments<Base>(shared_tensors, thread_idx);
@@ -60,6 +47,7 @@ struct StaggeredMainloop : Base {
     auto& tCrA = get<1>(fragments);  // (MMA, MMA_M, MMA_K, PIPE)
     auto& tCrB = get<2>(fragments);  // (MMA, MMA_N, MMA_K, PIPE)
     auto block = make_fragment_like(accum);  // the block of k in flight
+    clear(accum);
 
     // The interval in k tiles (mma_promotion_interval counts wgmmas, size<2>(tCrA) of them per k tile).
     const int interval = cute::max(1, static_cast<int>(params.mma_promotion_interval / size<2>(tCrA)));
@@ -68,7 +56,8 @@ struct StaggeredMainloop : Base {
     bool open = false;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     auto smem_pipe_release = smem_pipe_read;
-    auto issue = [&] {  // the next k tile's wgmmas into the block
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k_tile = 0; k_tile < k_tile_count; ++k_tile) {
       auto token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, token);
       const int stage = smem_pipe_read.index();
@@ -81,52 +70,30 @@ struct StaggeredMainloop : Base {
       }
       warpgroup_commit_batch();
       open = true;
-      ++smem_pipe_read;
-    };
-    auto promote = [&] {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(block);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(block); ++i) accum(i) += block(i);
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      open = false;
-    };
-
-    // The first block's k tiles (or the tile's, if fewer), queued unwaited; then `under`. No more than the
-    // pipeline's stages: none is released before `under`, and a wait on one more would wait on a stage the producer
-    // cannot refill (the block goes on accumulating in the loop below).
-    const int first = cute::min(cute::min(left, k_tile_count), static_cast<int>(Base::K_PIPE_MAX));
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k_tile = 0; k_tile < first; ++k_tile) issue();
-    under();
-    clear(accum);  // after `under`, which may read them: the accumulators' live range starts here
-    if (first == left) {
-      promote();
-      left = interval;
-    } else {
-      left -= first;
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(block);
-    }
-    for (int k_tile = 0; k_tile + 1 < first; ++k_tile) {  // their stages back, but the last's (one k tile late)
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
-    }
-
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k_tile = first; k_tile < k_tile_count; ++k_tile) {
-      issue();
       if (--left == 0) {
-        promote();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(block);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(block); ++i) accum(i) += block(i);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
         left = interval;
+        open = false;
       } else {
         warpgroup_wait<1>();  // the previous k tile's batch is done: its stage can go back
         warpgroup_fence_operand(block);
       }
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_release;
+      if (k_tile > 0) {
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
+      ++smem_pipe_read;
     }
-    if (open) promote();
+    if (open) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(block);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(block); ++i) accum(i) += block(i);
+    }
     warpgroup_fence_operand(accum);
   }
 };

@@ -29,10 +29,9 @@ namespace m = ::simpo::fused::math;
 // those rows holds all TileN. Per row: the max of the thread's logits, a quad max by shuffles, then one exp per
 // logit against that max, a sum of exp and a sum of z, merged across the quad; one lane writes the tile's partials.
 //
-// Why it is written as straight-line code: the pass runs on the mainloop's warps, two per scheduler, and only
-// the next tile's first block of wgmmas runs beside it (epilogue_under_mma_kernel.cuh), so its latency shows. A
-// per-logit `if` (bias present, column inside N) made ptxas put every logit in its own branch with a convergence
-// barrier, and the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, "Row
+// Why it is written as straight-line code: the pass runs on the mainloop's warps, two per scheduler, after the
+// tile's MMAs and before the next tile's (CUTLASS's cooperative kernel), so its latency shows. A per-logit `if`
+// (bias present, column inside N) made ptxas put every logit in its own branch with a convergence barrier, and the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, "Row
 // statistics"). Here the rows of a thread are reduced side by side, and the only branch left is around the target
 // logit (rows whose target falls in this tile).
 //
@@ -42,13 +41,11 @@ namespace m = ::simpo::fused::math;
 // kBias (a bias is added to each logit) and kMask (V is not a multiple of the tile width, so the last tile reaches
 // past column N) are the host's choice, one kernel each: a kernel holding several reductions, or a bias value or a
 // column held per logit across the passes, spills beside the accumulators. Both are applied in place first, so
-// the passes read plain logits. The pass runs under the next tile's first wgmmas (a second block of accumulator
-// registers live) in every kernel but the one with both, which keeps CUTLASS's order: there it would spill.
-// ctest promoted_stats_kernels_fit_registers holds every kernel here to no spills.
+// the passes read plain logits. A spill would cost the tensor cores' time (measured: BENCHMARKS.md, "Row
+// statistics"); ctest promoted_stats_kernels_fit_registers holds every kernel here to none.
 template <bool kDistances, bool kBias, bool kMask>
 struct StatsPass {
   using Params = LogitTileStats;
-  static constexpr bool under_mma = !(kBias && kMask);
   LogitTileStats stats;
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccTensor, class TiledMma>

@@ -5,9 +5,10 @@
 // `Params`, with
 //   template <...> CUTLASS_DEVICE void operator()(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
 //                                                 accumulators&, tiled_mma, thread_idx) const;
-// and `static constexpr bool under_mma`: whether the kernel runs it under the next tile's first wgmmas
-// (epilogue_under_mma_kernel.cuh). Its parameters ride from the GEMM's arguments to the epilogue on a pass-through
-// node of CUTLASS's epilogue visitor tree (EpilogueParams), which hands the accumulator to the store unchanged.
+// It runs in CUTLASS's cooperative kernel after the tile's MMAs, while the tensor cores wait, so a spill costs
+// their time: each pass fits the registers (ctest promoted_*_kernels_fit_registers). Its parameters ride from the
+// GEMM's arguments to the epilogue on a pass-through node of CUTLASS's epilogue visitor tree (EpilogueParams),
+// which hands the accumulator to the store unchanged.
 // Included only where CUTLASS is (SIMPO_HAVE_CUTLASS_SM90).
 #pragma once
 
@@ -21,7 +22,6 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "fused/cuda/cuda_check.h"
-#include "fused/cuda/epilogue_under_mma_kernel.cuh"
 #include "fused/cuda/promoted_gemm.h"
 #include "fused/cuda/promoted_mainloop.cuh"
 
@@ -187,11 +187,8 @@ struct RegisterEpilogueGemm : LogitsGemmShape {
 
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename Epilogue::SharedStorage));
   using Plain = LogitsGemmShape::Plain<kEpilogueSmem>;
-  using CutlassKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
-                                                             Epilogue, cutlass::gemm::PersistentScheduler>;
-  // The epilogue under the next tile's wgmmas where the pass fits the registers beside a second accumulator tile
-  // (Pass::under_mma); CUTLASS's kernel, epilogue after the MMAs, where it would spill.
-  using Kernel = cute::conditional_t<Pass::under_mma, EpilogueUnderMmaKernel<CutlassKernel>, CutlassKernel>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 

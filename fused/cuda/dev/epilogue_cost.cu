@@ -1,10 +1,9 @@
 // Experiment: what the logits GEMM's epilogue costs. The promoted GEMM itself runs at about cuBLAS's speed (its
 // promotions hidden by the staggered warpgroups), yet the step's forward, the same mainloop with the row
 // statistics reduced in the epilogue and no store, was well behind it: in CUTLASS's cooperative kernel the epilogue
-// does not overlap the MMAs, so whatever the pass costs per tile the tensor cores wait (the kernels without edges
-// now run it under the next tile's wgmmas: epilogue_under_mma_kernel.cuh). This times the product's three
-// forms of that GEMM, in turns with cuBLAS's bf16-output GEMM (the floor), each at promotion every 256 k (the
-// default), 512 k and 4096 k (= H: no promotion but the tile's last):
+// does not overlap the MMAs, so whatever the pass costs per tile (a spill above all) the tensor cores wait. This
+// times the product's three forms of that GEMM, in turns with cuBLAS's bf16-output GEMM (the floor), each at
+// promotion every 256 k (the default), 512 k and 4096 k (= H: no promotion but the tile's last):
 //   plain:      promoted_logits, fp32 logits stored (CUTLASS's epilogue)
 //   statistics: promoted_logits_stats with no logits (the forward: max, one exp per logit, sums, target)
 //   distances:  promoted_logits_distances (the full step: the statistics, then 16-bit distances stored)

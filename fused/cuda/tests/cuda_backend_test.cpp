@@ -68,7 +68,7 @@ TEST(CudaBackendFeatures, LogitsKSlicesMeetTheBar) {
 }
 
 // The promoted logits GEMM (promoted_gemm.h; the default on sm_90 when built with CUTLASS), promoting every 64,
-// 256 or 512 k (512: a first block longer than the pipeline's stages, StaggeredMainloop), computes the same
+// 256 or 512 k (512: a block of k tiles longer than the pipeline's stages, StaggeredMainloop), computes the same
 // function, at odd sizes (rows and V not multiples of a tile, V % 4 != 0 for the cuBLAS tail, H = 31 padded to 32 <
 // one k tile) as well. The full step with fp32 logits: the GEMM's stored logits and
 // row_stats_kernel over them.
@@ -100,8 +100,7 @@ TEST(CudaBackendFeatures, PromotedLogitsGemmMeetsTheBar) {
 // not a multiple of the 128-row tile; against row_stats_kernel (the forward through cuBLAS, the full step with fp32
 // logits). The last two shapes have K a partial last k tile and 330 / 320 tiles, more than two per CTA on any GPU
 // of <= 132 SMs; at promotion every k tile (64) and every four (256). V = 384 and 12288 run without a bias: the
-// kernels without edges (promoted_stats.cu), whose epilogue runs under the next tile's first wgmmas
-// (epilogue_under_mma_kernel.cuh), so 12288 has CTAs run it with a tile pending. With distances the gradients move
+// kernels without edges (promoted_stats.cu), 12288 with more tiles than CTAs. With distances the gradients move
 // by their rounding (2^-12 of each softmax value), so the comparison there is the scalars'.
 TEST(CudaBackendFeatures, EpilogueStatisticsMeetTheBarInEverySchedule) {
   SKIP_WITHOUT_DEVICE();
@@ -166,8 +165,8 @@ std::vector<bf16> random_bf16(std::size_t n, double scale, std::mt19937_64& rng)
 // every tile max is the max of the plain logits (bias added) over the tile's columns, every target logit is its
 // plain logit, the forward's kernel and the distances' agree on all partials, every stored q is
 // min(round((tile max - z) 2^11), 65535), and the columns past V are not written. 200 rows: a partial row tile;
-// logits of spread ~30 leave many distances saturated. H = 520 (9 k tiles) at promotion every 256 and 512 k: the
-// first block shorter and longer than the pipeline's stages.
+// logits of spread ~30 leave many distances saturated. H = 520 (9 k tiles) at promotion every 256 and 512 k: a
+// block of k tiles shorter and longer than the pipeline's stages.
 TEST(CudaBackendFeatures, LogitDistancesAreTheLogitsBelowTheirTileMax) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
