@@ -31,9 +31,10 @@ namespace m = ::simpo::fused::math;
 //
 // Why it is written as straight-line code: the pass runs on the mainloop's warps, two per scheduler, after the
 // tile's MMAs and before the next tile's (CUTLASS's cooperative kernel), so its latency shows. A per-logit `if`
-// (bias present, column inside N) made ptxas put every logit in its own branch with a convergence barrier, and the ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, "Row
-// statistics"). Here the rows of a thread are reduced side by side, and the only branch left is around the target
-// logit (rows whose target falls in this tile).
+// (bias present, column inside N) made ptxas put every logit in its own branch with a convergence barrier, and the
+// ~50-cycle dependent chain of each exp then ran one logit at a time (BENCHMARKS.md, "Row statistics"). Here the
+// rows of a thread are reduced side by side, and the only branch left is around the target logit (rows whose
+// target falls in this tile).
 //
 // kDistances: after the statistics, each accumulator becomes its logit distance below the row's tile max
 // (promoted_stats.h), a whole number as a float that CUTLASS's store converts to uint16 exactly.
