@@ -1,6 +1,6 @@
 // The promoted logits GEMM (LogitsGemmShape in promoted_mainloop.cuh: the tile, cluster and staggered promotion
 // of promoted_gemm.cu's) with a pass over the accumulator tile in registers before CUTLASS's TMA
-// store: the epilogues of promoted_stats.cu (the row statistics, then the fp32 logits or no store) and
+// store: the epilogues of promoted_stats.cu (the row statistics, then no store or the 16-bit logit distances) and
 // promoted_dz.cu (each logit rewritten into its dz, then a bf16 store). A Pass is a struct of its parameters,
 // `Params`, with
 //   template <...> CUTLASS_DEVICE void operator()(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
@@ -187,8 +187,8 @@ struct RegisterEpilogueGemm : LogitsGemmShape {
 
   static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename Epilogue::SharedStorage));
   using Plain = LogitsGemmShape::Plain<kEpilogueSmem>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
+                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 
