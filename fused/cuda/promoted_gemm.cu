@@ -49,7 +49,6 @@ struct PromotedGemm : LogitsGemmShape {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
                                                       Epilogue, cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 
   static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
                                             const __nv_bfloat16* x, const __nv_bfloat16* weight, float* logits,

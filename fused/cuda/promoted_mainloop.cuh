@@ -7,6 +7,7 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/dispatch_policy.hpp"
+#include "fused/cuda/plan.h"
 
 namespace simpo::fused::cuda {
 
@@ -112,6 +113,7 @@ struct LogitsGemmShape {
   using LayoutB = cutlass::layout::ColumnMajor;
   using Schedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   static constexpr int kMmaK = 16;  // bf16 wgmma's k: the promotion interval is counted in wgmmas
+  static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 
   template <int kEpilogueSmem>
   using Plain = typename cutlass::gemm::collective::CollectiveBuilder<

@@ -190,7 +190,6 @@ struct RegisterEpilogueGemm : LogitsGemmShape {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
                                                       Epilogue, cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static_assert(cute::size<2>(TileShape{}) == promotion_k_granule, "promotion_k_granule is the k tile");
 
   // `what` names the GEMM in the errors.
   static void run(const char* what, std::int64_t rows, std::int64_t columns, std::int64_t ld_h,

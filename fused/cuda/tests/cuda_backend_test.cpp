@@ -1050,7 +1050,8 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
 // or 2 row blocks, and of V = 6004 (dz_kernel) in 16 slices of 4 or 3, the last block and slice partial, so grad_W
 // accumulates over row blocks and grad_x over slices in both dz paths; with a bias (but V = 6000: the epilogue's
 // kernel without one), random ignored rows, an ignore_index inside [0, V), label smoothing, and both grad_weight
-// forms (bf16: rounded from the workspace's fp32 slice; fp32: accumulated in place). Against the reference's bar, and against three_pass to fp32 noise.
+// forms (bf16: rounded from the workspace's fp32 slice; fp32: accumulated in place). Against the reference's bar,
+// and against three_pass to fp32 noise.
 TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
