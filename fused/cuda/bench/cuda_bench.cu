@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
                                              "cannot hold one pair's rows)")
       ->check(CLI::IsMember({"always", "never", "auto"}))
       ->capture_default_str();
-  app.add_flag("--kernels", kernels, "after each B's row, 3 full steps kernel by kernel (CUPTI)");
+  app.add_flag("--kernels", kernels, "after each B's row, 3 full steps and 3 forwards kernel by kernel (CUPTI)");
   app.add_flag("--block-timing", block_timing, "each body's repetitions back to back instead of in turns");
   CLI11_PARSE(app, argc, argv);
   if (fp32_logits) logit_distances = false;
@@ -263,10 +263,14 @@ int main(int argc, char** argv) {
       if (kernels) {
         SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
         constexpr int steps = 3;
-        KernelTrace trace;
-        for (int i = 0; i < steps; ++i) runner.run(problem, &gradients, options, tuning);
-        trace.stop();
-        trace.print(stdout, steps);
+        for (const bool full_step : {true, false}) {  // KernelTrace: one at a time
+          std::printf("     %s, kernel by kernel:\n", full_step ? "full step" : "forward");
+          KernelTrace trace;
+          for (int i = 0; i < steps; ++i)
+            runner.run(problem, full_step ? &gradients : nullptr, full_step ? options : forward_options, tuning);
+          trace.stop();
+          trace.print(stdout, steps);
+        }
       }
       std::fflush(stdout);
     }

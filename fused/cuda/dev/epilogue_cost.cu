@@ -9,7 +9,9 @@
 //   distances:  promoted_logits_distances (the full step: the statistics, then 16-bit distances stored)
 // First it checks the statistics form against the plain one: each tile's max is the max of the plain GEMM's
 // logits over the tile's columns (the same accumulation, so the same bits). M x 128256 x 4096, M = 2048, 4096.
-//   epilogue_cost [--reps N]
+// --chunks C: each body runs C such GEMMs back to back over consecutive row chunks of a C times taller x, as the
+// step's forward does (its B = 16 forward is 4 chunks of 4096 rows), against cuBLAS over all C M rows at once.
+//   epilogue_cost [--reps N] [--chunks C]
 #include "fused/cuda/bench/interleaved_timing.cuh"
 #include "fused/cuda/bench/random_fill.cuh"
 #include "fused/cuda/cuda_check.h"
@@ -32,8 +34,10 @@ using namespace simpo::fused::cuda;
 
 int main(int argc, char** argv) {
   CLI::App app{"the promoted logits GEMM with CUTLASS's fp32 store, the statistics epilogue and the distances one"};
-  int reps = 15;
+  int reps = 15, chunks = 1;
   app.add_option("--reps", reps, "timed rounds (each body once per round; medians reported)");
+  app.add_option("--chunks", chunks, "GEMMs per body over consecutive row chunks (the forward's sequence)")
+      ->check(CLI::Range(1, 8));
   CLI11_PARSE(app, argc, argv);
   try {
     if (!promoted_stats_available()) {
@@ -45,12 +49,12 @@ int main(int argc, char** argv) {
     std::printf("device: %s\n", prop.name);
     const int N = 128256, K = 4096, Mmax = 4096;
     const std::int64_t tiles = statistics_tiles(N);
-    DeviceBuffer dx(std::size_t{Mmax} * K * 2, "x"), dw(std::size_t{N} * K * 2, "w");
-    DeviceBuffer logits(std::size_t{Mmax} * N * 4, "logits"), scratch(64 << 20, "scratch");
+    DeviceBuffer dx(std::size_t{Mmax} * chunks * K * 2, "x"), dw(std::size_t{N} * K * 2, "w");
+    DeviceBuffer logits(std::size_t{Mmax} * N * std::max(4, 2 * chunks), "logits"), scratch(64 << 20, "scratch");
     DeviceBuffer target(std::size_t{Mmax} * 8, "target"), z_target(std::size_t{Mmax} * 4, "z_target");
     DeviceBuffer tile_max(std::size_t(tiles) * Mmax * 4, "tile_max"), tile_sum_exp(std::size_t(tiles) * Mmax * 4, "sum_exp");
     DeviceBuffer tile_sum(std::size_t(tiles) * Mmax * 8, "tile_sum");
-    bench::fill_uniform<<<4096, 256>>>(dx.as<__nv_bfloat16>(), Mmax, K, K, 1.7320508f, 1);
+    bench::fill_uniform<<<4096, 256>>>(dx.as<__nv_bfloat16>(), Mmax * chunks, K, K, 1.7320508f, 1);
     bench::fill_uniform<<<4096, 256>>>(dw.as<__nv_bfloat16>(), N, K, K, std::sqrt(3.0f * 4.0f / K), 2);
     SIMPO_CUDA_CHECK_LAUNCH();
     std::vector<std::int64_t> targets(Mmax);
@@ -65,15 +69,17 @@ int main(int argc, char** argv) {
     stats.z_target = z_target.as<float>();
     const auto* x = dx.as<__nv_bfloat16>();
     const auto* w = dw.as<__nv_bfloat16>();
-    auto plain = [&](int M, std::int64_t pk) {
-      promoted_logits(M, N, K, x, w, logits.as<float>(), N, pk, nullptr, scratch.get(), scratch.bytes());
+    // Chunk c of a body reads x rows [c M, (c + 1) M) and writes the same outputs (as the step reuses its buffers).
+    auto plain = [&](int M, std::int64_t pk, int c = 0) {
+      promoted_logits(M, N, K, x + std::size_t(c) * M * K, w, logits.as<float>(), N, pk, nullptr, scratch.get(),
+                      scratch.bytes());
     };
-    auto statistics = [&](int M, std::int64_t pk) {
-      promoted_logits_stats(M, N, K, x, w, pk, stats, nullptr, scratch.get(), scratch.bytes());
+    auto statistics = [&](int M, std::int64_t pk, int c = 0) {
+      promoted_logits_stats(M, N, K, x + std::size_t(c) * M * K, w, pk, stats, nullptr, scratch.get(), scratch.bytes());
     };
-    auto distances = [&](int M, std::int64_t pk) {
-      promoted_logits_distances(M, N, K, x, w, reinterpret_cast<std::uint16_t*>(logits.get()), N, pk, stats, nullptr,
-                                scratch.get(), scratch.bytes());
+    auto distances = [&](int M, std::int64_t pk, int c = 0) {
+      promoted_logits_distances(M, N, K, x + std::size_t(c) * M * K, w, reinterpret_cast<std::uint16_t*>(logits.get()),
+                                N, pk, stats, nullptr, scratch.get(), scratch.bytes());
     };
 
     // The check: rows 0 and Mmax - 1, every tile.
@@ -102,20 +108,21 @@ int main(int argc, char** argv) {
     for (int M : {2048, 4096}) {
       std::vector<std::string> names{"cuBLAS, bf16 out (floor)"};
       std::vector<std::function<void()>> bodies{[&] {
-        SIMPO_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, w, CUDA_R_16BF, K, x, CUDA_R_16BF,
-                                        K, &zero, logits.get(), CUDA_R_16BF, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        SIMPO_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M * chunks, K, &one, w, CUDA_R_16BF, K, x,
+                                        CUDA_R_16BF, K, &zero, logits.get(), CUDA_R_16BF, N, CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
       }};
       for (std::int64_t pk : {std::int64_t{256}, std::int64_t{512}, std::int64_t{K}}) {
         const std::string every = ", every " + std::to_string(pk) + " k";
         names.push_back("plain" + every);
-        bodies.push_back([&, M, pk] { plain(M, pk); });
+        bodies.push_back([&, M, pk] { for (int c = 0; c < chunks; ++c) plain(M, pk, c); });
         names.push_back("statistics" + every);
-        bodies.push_back([&, M, pk] { statistics(M, pk); });
+        bodies.push_back([&, M, pk] { for (int c = 0; c < chunks; ++c) statistics(M, pk, c); });
         names.push_back("distances" + every);
-        bodies.push_back([&, M, pk] { distances(M, pk); });
+        bodies.push_back([&, M, pk] { for (int c = 0; c < chunks; ++c) distances(M, pk, c); });
       }
       const auto t = bench::time_interleaved(nullptr, 3, reps, bodies);
-      std::printf("\nM = %d x %d x %d, in turns, median of %d (ms, ratio to the floor)\n", M, N, K, reps);
+      std::printf("\n%d x M = %d x %d x %d, in turns, median of %d (ms, ratio to the floor)\n", chunks, M, N, K, reps);
       for (std::size_t i = 0; i < t.size(); ++i)
         std::printf("  %-30s %8.3f  %6.3fx\n", names[i].c_str(), t[i].median_ms, t[i].median_ms / t[0].median_ms);
     }
