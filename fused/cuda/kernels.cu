@@ -57,12 +57,13 @@ __global__ void __launch_bounds__(kRowThreads) row_stats_kernel(LogitRowsOf<T> a
   }
 }
 
-// 32 rows per block, 8 warps striding over the tiles: each warp reads 32 consecutive rows of one tile
-// (coalesced in the [tiles, ld] layout), then warp 0 merges the 8 partial states per row. Each warp keeps
-// kMergeChains independent states, so that many tiles' loads are in flight at once: one state would wait for each
-// load and each merge's exp in turn (a few hundred tiles per row at V = 128k, few rows per launch).
-constexpr int kMergeRows = 32, kMergeChains = 8;
-__global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStatsRows a, float* row_max, float* lse,
+// 32 rows per block, 32 warps striding over the tiles: each warp reads 32 consecutive rows of one tile
+// (coalesced in the [tiles, ld] layout), then warp 0 merges the 32 partial states per row. The time is the loads'
+// latency, not their bytes (16 per row and tile): a few hundred tiles per row at V = 128k and few rows per launch
+// (a 4096-row chunk is 128 blocks, about one per SM), so each block holds a full SM's warps and each warp keeps
+// kMergeChains independent states, one load of each in flight.
+constexpr int kMergeRows = 32, kMergeThreads = 1024, kMergeWarps = kMergeThreads / 32, kMergeChains = 4;
+__global__ void __launch_bounds__(kMergeThreads) merge_tile_stats_kernel(TileStatsRows a, float* row_max, float* lse,
                                                                       float* z_target, double* rowsum) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t local = std::int64_t(blockIdx.x) * kMergeRows + lane;
@@ -71,16 +72,16 @@ __global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStats
   for (auto& chain : chains) chain = m::lse_empty<float>();
   if (local < a.rows) {
     std::int64_t t = warp;
-    for (; t + (kMergeChains - 1) * kWarps < a.tiles; t += kMergeChains * kWarps)
+    for (; t + (kMergeChains - 1) * kMergeWarps < a.tiles; t += kMergeChains * kMergeWarps)
 #pragma unroll
       for (int c = 0; c < kMergeChains; ++c) {
-        const std::int64_t at = (t + c * kWarps) * a.ld + local;
+        const std::int64_t at = (t + c * kMergeWarps) * a.ld + local;
         chains[c] = m::lse_merge(chains[c], m::LogSumExp<float>{a.tile_max[at], a.tile_sum_exp[at]});
         sums[c] += a.tile_sum[at];
       }
 #pragma unroll
     for (int c = 0; c < kMergeChains; ++c) {  // the last tiles, fewer than a round (constant indices: registers)
-      const std::int64_t tile = t + c * kWarps, at = tile * a.ld + local;
+      const std::int64_t tile = t + c * kMergeWarps, at = tile * a.ld + local;
       if (tile < a.tiles) {
         chains[c] = m::lse_merge(chains[c], m::LogSumExp<float>{a.tile_max[at], a.tile_sum_exp[at]});
         sums[c] += a.tile_sum[at];
@@ -93,8 +94,8 @@ __global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStats
     state = m::lse_merge(state, chains[c]);
     sum += sums[c];
   }
-  __shared__ float shared_max[kWarps][kMergeRows], shared_sum[kWarps][kMergeRows];
-  __shared__ double shared_total[kWarps][kMergeRows];
+  __shared__ float shared_max[kMergeWarps][kMergeRows], shared_sum[kMergeWarps][kMergeRows];
+  __shared__ double shared_total[kMergeWarps][kMergeRows];
   shared_max[warp][lane] = state.max;
   shared_sum[warp][lane] = state.sum;
   shared_total[warp][lane] = sum;
@@ -102,7 +103,7 @@ __global__ void __launch_bounds__(kRowThreads) merge_tile_stats_kernel(TileStats
   if (warp != 0 || local >= a.rows) return;
   m::LogSumExp<float> total = m::lse_empty<float>();
   double total_sum = 0;
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < kMergeWarps; ++w) {
     total = m::lse_merge(total, m::LogSumExp<float>{shared_max[w][lane], shared_sum[w][lane]});
     total_sum += shared_total[w][lane];
   }
@@ -517,7 +518,7 @@ void launch_row_stats(const LogitRowsOf<T>& a, float* row_max, float* lse, float
 void launch_merge_tile_stats(const TileStatsRows& a, float* row_max, float* lse, float* z_target, double* rowsum,
                              cudaStream_t stream) {
   if (a.rows == 0) return;
-  merge_tile_stats_kernel<<<grid_rows((a.rows + kMergeRows - 1) / kMergeRows), kRowThreads, 0, stream>>>(
+  merge_tile_stats_kernel<<<grid_rows((a.rows + kMergeRows - 1) / kMergeRows), kMergeThreads, 0, stream>>>(
       a, row_max, lse, z_target, rowsum);
   SIMPO_CUDA_CHECK_LAUNCH();
 }

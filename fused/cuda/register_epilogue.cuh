@@ -92,10 +92,16 @@ struct RegisterEpilogue : Base {
                             TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared_tensors,
                             int subtile_idx = -1) {
     pass(problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx);
-    // No output (ElementD void, no C): the pass was the whole epilogue. CUTLASS's loop would still walk the
-    // epilogue subtiles with two barriers of the consumer warps each, and nothing is loaded or stored, so the
-    // pipeline states go back unchanged.
-    if constexpr (cute::is_void_v<typename Base::ElementD>) return cute::make_tuple(load_state, store_state);
+    // No output (ElementD void, no C): the pass was the whole epilogue, nothing is loaded or stored, so the
+    // pipeline states go back unchanged. One barrier of both consumer warpgroups stays: it is the only point where
+    // they meet. CUTLASS's store loop meets them at every subtile; without any meeting they drift apart over the
+    // tiles, and since each mainloop stage returns to the producer only once both have read it, the one ahead
+    // waits on the other's drains instead of overlapping them (StaggeredMainloop's half-interval offset is lost).
+    // Measured: BENCHMARKS.md, "one barrier per tile in the statistics-only epilogue".
+    if constexpr (cute::is_void_v<typename Base::ElementD>) {
+      cutlass::arch::NamedBarrier::sync(cute::size(TiledMma{}), cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+      return cute::make_tuple(load_state, store_state);
+    }
     else return Base::store(load_pipeline, load_state, store_pipeline, store_state, problem_shape_mnkl, tile_shape_MNK,
                        tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors, subtile_idx);
   }
