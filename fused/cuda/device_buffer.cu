@@ -107,6 +107,22 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   return *this;
 }
 
+HostStaging::~HostStaging() {
+  if (data_) cudaFreeHost(data_);
+}
+
+char* HostStaging::reserve(std::size_t bytes) {
+  if (bytes <= bytes_) return data_;
+  if (data_) SIMPO_CUDA_CHECK(cudaFreeHost(data_));
+  data_ = nullptr;
+  bytes_ = 0;
+  void* p = nullptr;
+  SIMPO_CUDA_CHECK(cudaMallocHost(&p, bytes));
+  data_ = static_cast<char*>(p);
+  bytes_ = bytes;
+  return data_;
+}
+
 void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line) {
   throw CudaError(std::string("CUDA error ") + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) +
                   ") in " + call + " at " + file + ":" + std::to_string(line));

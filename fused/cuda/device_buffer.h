@@ -47,4 +47,23 @@ class DeviceBuffer {
   cudaStream_t stream_ = nullptr;
 };
 
+// Page-locked host memory for a runner's small per-call transfers (the completion-token counts up, the row
+// statistics down). A copy from or into pageable memory makes the host wait for it (and the device waits in turn
+// for the host's next launch); from pinned memory it is queued like a kernel. Grows, never shrinks; the caller
+// orders its reuse against copies still queued.
+class HostStaging {
+ public:
+  HostStaging() = default;
+  ~HostStaging();
+  HostStaging(const HostStaging&) = delete;
+  HostStaging& operator=(const HostStaging&) = delete;
+
+  // At least `bytes`, 256-byte aligned; the contents are not kept when it grows.
+  char* reserve(std::size_t bytes);
+
+ private:
+  char* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
 }  // namespace simpo::fused::cuda

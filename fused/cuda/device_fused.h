@@ -146,8 +146,12 @@ class FusedRunner {
   void bind_gemm_scratch(void* scratch, std::int64_t bytes);
   void* allocate_accumulator(std::size_t bytes, const char* purpose);
   RowStats download_row_stats(std::int64_t N, const float* lse, const float* z_target, const double* rowsum);
+  template <class T>
+  void copy_completion_tokens(const DeviceProblemOf<T>&, std::int64_t* to);
 
   cudaStream_t stream_ = nullptr;
+  HostStaging staging_;              // the token counts up, the row statistics down
+  cudaEvent_t tokens_copied_ = nullptr;  // the last copy up from staging_ (whose bytes the next run rewrites)
   DeviceBuffer workspace_;
   DeviceBuffer accumulator_;  // lo of the hi/lo pair, an fp32 grad_W or grad_x accumulator (StepPlan::accumulator_bytes)
   std::unique_ptr<Gemms> gemms_;

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <type_traits>
 
 namespace simpo::fused::cuda {
@@ -89,13 +90,6 @@ double dz_scale_for_f16(const Targets& targets, const Hyperparameters& hp, std::
 
 // n[b] into the workspace's [B] array: from the host's Targets, or (an asynchronous call) from the device's.
 template <class T>
-void copy_completion_tokens(const DeviceProblemOf<T>& p, std::int64_t* to, cudaStream_t stream) {
-  const bool device = p.on_device.completion_tokens != nullptr;
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(to, device ? p.on_device.completion_tokens : p.targets.n.data(), p.shape.B * 8,
-                                   device ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice, stream));
-}
-
-template <class T>
 CoefficientParams coefficient_params(const DeviceProblemOf<T>& p, const RowArrays& rows) {
   const double nll_weight =
       p.hp.compute_nll_loss && p.targets.n_chosen > 0 ? p.hp.alpha / static_cast<double>(p.targets.n_chosen) : 0.0;
@@ -167,7 +161,6 @@ class ChunkedStep {
   }
 
   void prologue() {
-    copy_completion_tokens(p_, rows_.completion_tokens, stream_);
     // grad_weight needs no clearing: the first weight GEMM writes it with beta = 0 (every chunk has rows), the hi/lo
     // pair likewise (hilo_gemm.h).
     if (g_ && g_->grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g_->grad_bias, 0, p_.shape.V * 4, stream_));
@@ -463,7 +456,6 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
   const bool own_slice = g.grad_weight == nullptr;  // no fp32 output to write the slice's rows into
   float* grad_w_slice = own_slice ? at<float>(base, l.grad_w_slice) : nullptr;
 
-  copy_completion_tokens(p, rows.completion_tokens, stream);
   if (g.grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g.grad_bias, 0, V * 4, stream));
 
   // 1. statistics
@@ -541,13 +533,36 @@ const char* accumulator_purpose(StepPlan::GradWeight form) {
 
 }  // namespace
 
-FusedRunner::FusedRunner() { SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+FusedRunner::FusedRunner() {
+  SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_copied_, cudaEventDisableTiming));
+}
 
 FusedRunner::~FusedRunner() {
   gemms_.reset();
   workspace_ = DeviceBuffer();  // its free is ordered on stream_, so before the stream goes
   accumulator_ = DeviceBuffer();
+  if (stream_) cudaStreamSynchronize(stream_);  // no copy still reads staging_ when it goes
+  if (tokens_copied_) cudaEventDestroy(tokens_copied_);
   if (stream_) cudaStreamDestroy(stream_);
+}
+
+// The completion-token counts into the workspace, before any stage reads them (the pair math): from the device
+// where the caller has them there, else from the host through staging_. The staged bytes are rewritten only once
+// the last run's copy of them has happened.
+template <class T>
+void FusedRunner::copy_completion_tokens(const DeviceProblemOf<T>& p, std::int64_t* to) {
+  const std::size_t bytes = static_cast<std::size_t>(p.shape.B) * 8;
+  if (p.on_device.completion_tokens != nullptr) {
+    SIMPO_CUDA_CHECK(cudaMemcpyAsync(to, p.on_device.completion_tokens, bytes, cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  SIMPO_CUDA_CHECK(cudaEventSynchronize(tokens_copied_));
+  // Room for download_row_stats too, so that it never reallocates under this copy.
+  char* staged = staging_.reserve(std::max(bytes, static_cast<std::size_t>(p.shape.N()) * 16));
+  std::memcpy(staged, p.targets.n.data(), bytes);
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(to, staged, bytes, cudaMemcpyHostToDevice, stream_));
+  SIMPO_CUDA_CHECK(cudaEventRecord(tokens_copied_, stream_));
 }
 
 void FusedRunner::release_workspace() {
@@ -581,13 +596,19 @@ void* FusedRunner::allocate_accumulator(std::size_t bytes, const char* purpose) 
   return accumulator_.get();
 }
 
+// The three copies queue behind the step into pinned staging and the host waits once; into the vectors' pageable
+// memory each copy would wait for the last, leaving the device idle between them.
 RowStats FusedRunner::download_row_stats(std::int64_t N, const float* lse, const float* z_target,
                                          const double* rowsum) {
   RowStats stats(N);
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.lse.data(), lse, N * 4, cudaMemcpyDeviceToHost, stream_));
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.z_target.data(), z_target, N * 4, cudaMemcpyDeviceToHost, stream_));
-  SIMPO_CUDA_CHECK(cudaMemcpyAsync(stats.rowsum.data(), rowsum, N * 8, cudaMemcpyDeviceToHost, stream_));
+  char* staged = staging_.reserve(static_cast<std::size_t>(N) * 16);  // rowsum first: 8-byte aligned
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(staged, rowsum, N * 8, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(staged + N * 8, lse, N * 4, cudaMemcpyDeviceToHost, stream_));
+  SIMPO_CUDA_CHECK(cudaMemcpyAsync(staged + N * 12, z_target, N * 4, cudaMemcpyDeviceToHost, stream_));
   SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::memcpy(stats.rowsum.data(), staged, N * 8);
+  std::memcpy(stats.lse.data(), staged + N * 8, N * 4);
+  std::memcpy(stats.z_target.data(), staged + N * 12, N * 4);
   report_.gemm_fallbacks = gemms_->fallback_calls();
   return stats;
 }
@@ -627,6 +648,7 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
     base = allocate_workspace(plan.layout, plan.workspace_bytes);
   }
   const RowArrays rows(base, plan.layout);
+  copy_completion_tokens(p, rows.completion_tokens);
   report_.deferred_weight = deferred != nullptr && plan.defers_weight_finish();
   if (plan.low_memory) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>)  // the plan picks it only where the promoted GEMM runs

@@ -207,7 +207,10 @@ __global__ void __launch_bounds__(kRowThreads) dz_kernel(LogitRowsOf<T> a, Coeff
 // The same from the logit distances (fused/simpo_math.h): z - max = (tile max - max) - q 2^-11. Each 8-column step
 // lies in one tile (tiles are multiples of 8 wide); its tile max is one load, shared by the warp's threads of that
 // tile. dz over the distances in place is safe without barriers: a thread reads its own 16 bytes before writing
-// 16 bytes of dz to the same place.
+// 16 bytes of dz to the same place. The pass moves 4 bytes a logit and little else, so its time is the loads in
+// flight: each thread loads kDistanceSteps 8-column steps before it stores any (the compiler cannot hoist a load
+// above the store before it, in place).
+constexpr int kDistanceSteps = 2;
 __global__ void __launch_bounds__(kRowThreads) dz_from_distances_kernel(LogitDistanceRows a, CoefficientParams c,
                                                                        const float* row_max, const float* lse,
                                                                        const float* z_target, __nv_bfloat16* dz,
@@ -220,18 +223,34 @@ __global__ void __launch_bounds__(kRowThreads) dz_from_distances_kernel(LogitDis
   const float k = row_k(c, r, completion);
   const float shift = row_max[r], row_lse = lse[r];
   const float* maxima = a.tile_max + local;
-  for (std::int64_t v = std::int64_t(threadIdx.x) * 8; v < a.V; v += kRowThreads * 8) {
-    float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (k != 0.0f) {  // k == 0 (ignored rows, empty sequences): a zero row, no exponentials
-      const uint4 raw = *reinterpret_cast<const uint4*>(row + v);
-      const auto* q = reinterpret_cast<const std::uint16_t*>(&raw);
-      const float above = maxima[(v / a.tile_columns) * a.tile_ld] - shift;  // the tile's max relative to the row's
+  constexpr std::int64_t kStride = kRowThreads * 8;
+  for (std::int64_t v0 = std::int64_t(threadIdx.x) * 8; v0 < a.V; v0 += kStride * kDistanceSteps) {
+    uint4 raw[kDistanceSteps];
+    float above[kDistanceSteps];  // each step's tile max relative to the row's
+    // k == 0 (ignored rows, empty sequences): a zero row, no loads and no exponentials
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        g[i] = (v + i == target) ? 0.0f
-                                 : m::softmax_gradient(k, m::logit_from_distance(above, static_cast<float>(q[i])), row_lse);
+    for (int s = 0; s < kDistanceSteps; ++s) {
+      const std::int64_t v = v0 + s * kStride;
+      if (k != 0.0f && v < a.V) {
+        raw[s] = *reinterpret_cast<const uint4*>(row + v);
+        above[s] = maxima[(v / a.tile_columns) * a.tile_ld] - shift;
+      }
     }
-    store8(out + v, g);
+#pragma unroll
+    for (int s = 0; s < kDistanceSteps; ++s) {
+      const std::int64_t v = v0 + s * kStride;
+      if (v >= a.V) break;
+      float g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (k != 0.0f) {
+        const auto* q = reinterpret_cast<const std::uint16_t*>(&raw[s]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          g[i] = (v + i == target)
+                     ? 0.0f
+                     : m::softmax_gradient(k, m::logit_from_distance(above[s], static_cast<float>(q[i])), row_lse);
+      }
+      store8(out + v, g);
+    }
   }
   if (threadIdx.x == 0) target_coef[r] = completion ? m::target_coefficient(k, z_target[r], row_lse) : 0.0f;
 }
