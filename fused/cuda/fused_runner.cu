@@ -88,7 +88,6 @@ double dz_scale_for_f16(const Targets& targets, const Hyperparameters& hp, std::
   return std::ldexp(1.0, std::clamp(static_cast<int>(std::floor(std::log2(0x1.0p14 / bound))), -120, 120));
 }
 
-// n[b] into the workspace's [B] array: from the host's Targets, or (an asynchronous call) from the device's.
 template <class T>
 CoefficientParams coefficient_params(const DeviceProblemOf<T>& p, const RowArrays& rows) {
   const double nll_weight =
