@@ -44,10 +44,7 @@ struct PromotedGemm : LogitsGemmShape {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float,
       void, LayoutD, 4, float, LayoutD, 4,
       cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
-  static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename Epilogue::SharedStorage));
-  using Plain = LogitsGemmShape::Plain<kEpilogueSmem>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
-                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
+  using Kernel = KernelWith<Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Gemm::Arguments arguments(std::int64_t rows, std::int64_t V, std::int64_t ld_h,
@@ -55,8 +52,8 @@ struct PromotedGemm : LogitsGemmShape {
                                             std::int64_t ld_logits, std::int64_t promotion_k) {
     // The interval is counted in wgmmas: a multiple of the wgmmas per k tile.
     const auto interval = static_cast<std::uint32_t>(promotion_k / kMmaK);
-    typename Plain::StrideA stride_a{ld_h, Int<1>{}, 0};
-    typename Plain::StrideB stride_b{ld_h, Int<1>{}, 0};
+    typename Kernel::StrideA stride_a{ld_h, Int<1>{}, 0};
+    typename Kernel::StrideB stride_b{ld_h, Int<1>{}, 0};
     typename Epilogue::StrideD stride_d{ld_logits, Int<1>{}, 0};
     static const int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     cutlass::KernelHardwareInfo hw{0, sm_count};

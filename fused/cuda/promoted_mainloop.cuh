@@ -126,6 +126,13 @@ struct LogitsGemmShape {
       TileShape, Element, typename P::StrideA, Element, typename P::StrideB, typename P::TiledMma,
       typename P::GmemTiledCopyA, typename P::SmemLayoutAtomA, typename P::SmemCopyAtomA, typename P::TransformA,
       typename P::GmemTiledCopyB, typename P::SmemLayoutAtomB, typename P::SmemCopyAtomB, typename P::TransformB>>;
+
+  // The persistent kernel of that mainloop and `Epilogue`, whose shared memory sets the mainloop's stage count.
+  template <class Epilogue>
+  using KernelWith =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
+                                           Mainloop<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+                                           Epilogue, cutlass::gemm::PersistentScheduler>;
 };
 
 }  // namespace simpo::fused::cuda

@@ -191,10 +191,7 @@ struct RegisterEpilogueGemm : LogitsGemmShape {
       kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative, Callbacks>::CollectiveOp;
   using Epilogue = RegisterEpilogue<StockEpilogue, Pass>;
 
-  static constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename Epilogue::SharedStorage));
-  using Plain = LogitsGemmShape::Plain<kEpilogueSmem>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop<kEpilogueSmem>,
-                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
+  using Kernel = KernelWith<Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   // `what` names the GEMM in the errors.
@@ -204,8 +201,8 @@ struct RegisterEpilogueGemm : LogitsGemmShape {
                   std::size_t workspace_bytes) {
     const std::uint32_t interval =
         promotion_k > 0 ? static_cast<std::uint32_t>(promotion_k / kMmaK) : (std::uint32_t{1} << 30);
-    typename Plain::StrideA stride_a{ld_h, cute::Int<1>{}, 0};
-    typename Plain::StrideB stride_b{ld_h, cute::Int<1>{}, 0};
+    typename Kernel::StrideA stride_a{ld_h, cute::Int<1>{}, 0};
+    typename Kernel::StrideB stride_b{ld_h, cute::Int<1>{}, 0};
     typename Epilogue::StrideD stride_d{ld_out, cute::Int<1>{}, 0};
     static const int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     cutlass::KernelHardwareInfo hw{0, sm_count};
