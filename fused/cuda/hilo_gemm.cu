@@ -69,6 +69,65 @@ struct Residual {
   }
 };
 
+// A cooperative kernel's MMAs stop while its consumers run a tile's epilogue, and the epilogue's producer warp can
+// hold only StagesC subtiles of the pair in shared memory ahead of it: it loads those as the tile's MMAs begin, the
+// rest while the consumers wait in the epilogue. So when the producer turns to a tile it first asks L2 for the later
+// subtiles' rows of hi and lo (cp.async.bulk.prefetch: no registers, no shared memory, nothing to wait for), which
+// then arrive while the MMAs run. (Prefetching the whole tile instead measured no better: BENCHMARKS.md.)
+template <class Base, class TileShape>
+class L2PrefetchingEpilogue : public Base {
+  static constexpr int kTileM = cute::size<0>(TileShape{}), kTileN = cute::size<1>(TileShape{});
+  using EpilogueTile = typename Base::EpilogueTile;
+  static_assert(cute::size<0>(EpilogueTile{}) == kTileM, "subtiles along N only (the producer's order)");
+  // The first column the producer cannot hold ahead: StagesC subtiles of the tile's columns.
+  static constexpr int kFromColumn = int(Base::LoadPipelineState::Stages) * int(cute::size<1>(EpilogueTile{}));
+
+ public:
+  struct Arguments : Base::Arguments {
+    const void* prefetch[2];  // hi and lo, null where they are not read (the first chunk)
+    std::int64_t ld;          // elements per row of both
+  };
+  struct Params : Base::Params {
+    const void* prefetch[2];
+    std::int64_t ld, M, N;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
+    auto [M, N, K, L] = cute::append<4>(shape, 1);
+    return {Base::to_underlying_arguments(shape, args, workspace), {args.prefetch[0], args.prefetch[1]}, args.ld,
+            M, N};
+  }
+
+  CUTLASS_HOST_DEVICE L2PrefetchingEpilogue(Params const& params, typename Base::TensorStorage& shared)
+      : Base(params, shared), prefetch_(params) {}
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE auto load(typename Base::LoadPipeline pipeline, typename Base::LoadPipelineState state,
+                           ProblemShapeMNKL problem_shape, TileShapeMNK tile_shape, TileCoordMNKL tile_coord,
+                           TiledMma tiled_mma, int lane, typename Base::TensorStorage& shared, int subtile_idx = -1) {
+    if (kFromColumn < kTileN && prefetch_.prefetch[0] != nullptr) {
+      const std::int64_t row0 = std::int64_t(cute::get<0>(tile_coord)) * kTileM;
+      const std::int64_t column0 = std::int64_t(cute::get<1>(tile_coord)) * kTileN + kFromColumn;
+      const std::int64_t rows = cute::min(std::int64_t(kTileM), prefetch_.M - row0);
+      const std::int64_t columns = cute::min(std::int64_t(kTileN - kFromColumn), prefetch_.N - column0);
+      if (rows > 0 && columns > 0) {
+        // N and ld are multiples of 8 (hilo_accumulate_grad_weight): 16-byte aligned runs of whole 16-byte units
+        const auto bytes = static_cast<std::uint32_t>(columns * sizeof(cutlass::bfloat16_t));
+        for (std::int64_t i = lane; i < 2 * rows; i += 32) {  // the producer warp's 32 lanes
+          const auto* p = static_cast<const cutlass::bfloat16_t*>(prefetch_.prefetch[i / rows]) +
+                          (row0 + i % rows) * prefetch_.ld + column0;
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+        }
+      }
+    }
+    return Base::load(pipeline, state, problem_shape, tile_shape, tile_coord, tiled_mma, lane, shared, subtile_idx);
+  }
+
+ private:
+  Params const& prefetch_;
+};
+
 template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
 struct HiLoGemm {
   using Element = cutlass::bfloat16_t;
@@ -96,10 +155,12 @@ struct HiLoGemm {
   using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<Residual, Element, float, kRound>,
                                     fusion::Sm90EVT<HiStore, Scaled>>;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutW, 8, Element, LayoutW, 8,
-      EpilogueSchedule, Callbacks>::CollectiveOp;
+  using Epilogue = L2PrefetchingEpilogue<
+      typename cutlass::epilogue::collective::CollectiveBuilder<
+          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+          cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutW, 8, Element, LayoutW, 8,
+          EpilogueSchedule, Callbacks>::CollectiveOp,
+      TileShape>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
       TileShape, ClusterShape,
@@ -144,6 +205,9 @@ struct HiLoGemm {
          {hi_e, stride_w}},                             // hi = bf16(s)
         {}};                                            // D = lo = s - hi
     args.epilogue.thread = thread;
+    args.epilogue.prefetch[0] = overwrite ? nullptr : hi;
+    args.epilogue.prefetch[1] = overwrite ? nullptr : lo;
+    args.epilogue.ld = ld_w;
     args.epilogue.ptr_C = lo_e;
     args.epilogue.dC = stride_w;
     args.epilogue.ptr_D = lo_e;
