@@ -1,0 +1,113 @@
+// Experiment: where the hi/lo weight GEMM's time above cuBLAS goes. In the step it takes ~1.18x cuBLAS's weight
+// GEMM with a bf16 output (CUPTI, B = 16), the largest excess of the full step. Three causes could be it: the
+// mainloop (CUTLASS's 128x256 cooperative kernel with both operands MN-major, against cuBLAS's own), the second
+// store (hi and lo: 4 bytes per element where cuBLAS writes 2), and the read of the pair that every chunk after the
+// first adds (4 more bytes per element, which a cooperative kernel does not overlap with its MMAs). This times, in
+// turns, on one chunk's shape (M = V = 128256 rows of grad_W, N = H = 4096, K = 4096 token rows):
+//   floor:       cuBLAS, dz^T x into bf16 (the step's floor GEMM)
+//   floor_f32:   cuBLAS into fp32 with beta = 1 (an fp32 accumulator's read-modify-write)
+//   overwrite:   the hi/lo GEMM of a step's first chunk (stores hi and lo, reads nothing)
+//   accumulate:  the hi/lo GEMM of every later chunk (reads the pair, adds, stores both)
+// so overwrite / floor is the mainloop and second store, accumulate / overwrite the read. First it checks the
+// overwrite's hi against cuBLAS's bf16 output (the same sum, each rounded once to bf16: at most one ulp apart).
+//   weight_gemm_cost [--reps N]
+#include "fused/cuda/bench/interleaved_timing.cuh"
+#include "fused/cuda/bench/random_fill.cuh"
+#include "fused/cuda/cuda_check.h"
+#include "fused/cuda/device_buffer.h"
+#include "fused/cuda/hilo_gemm.h"
+
+#include <CLI/CLI.hpp>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+using namespace simpo::fused::cuda;
+
+#define CHECK_CUBLAS(call)                                                                     \
+  do {                                                                                         \
+    const cublasStatus_t status_ = (call);                                                     \
+    if (status_ != CUBLAS_STATUS_SUCCESS) throw CudaError("cuBLAS status " + std::to_string(status_)); \
+  } while (0)
+
+int main(int argc, char** argv) {
+  CLI::App app{"the hi/lo weight GEMM (first chunk and later chunks) in turns with cuBLAS's weight GEMM"};
+  int reps = 15;
+  app.add_option("--reps", reps, "timed rounds (each body once per round; medians reported)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (!hilo_gemm_available()) {
+      std::printf("weight_gemm_cost: needs the sm_90a kernels on a compute capability 9.0 device\n");
+      return 0;
+    }
+    cudaDeviceProp prop{};
+    SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s\n", prop.name);
+    const std::int64_t V = 128256, H = 4096, K = 4096;
+    DeviceBuffer dz(std::size_t(K) * V * 2, "dz"), x(std::size_t(K) * H * 2, "x");
+    DeviceBuffer hi(std::size_t(V) * H * 2, "hi"), lo(std::size_t(V) * H * 2, "lo");
+    DeviceBuffer out(std::size_t(V) * H * 2, "cuBLAS bf16 out"), out32(std::size_t(V) * H * 4, "cuBLAS fp32 out");
+    DeviceBuffer blas_ws(std::size_t{32} << 20, "cuBLAS workspace");
+    bench::fill_uniform<<<4096, 256>>>(dz.as<__nv_bfloat16>(), K, V, V, 1e-3f, 4);
+    bench::fill_uniform<<<4096, 256>>>(x.as<__nv_bfloat16>(), K, H, H, 1.7320508f, 1);
+    SIMPO_CUDA_CHECK_LAUNCH();
+    SIMPO_CUDA_CHECK(cudaMemset(out32.get(), 0, out32.bytes()));
+    cublasHandle_t blas;
+    CHECK_CUBLAS(cublasCreate(&blas));
+    CHECK_CUBLAS(cublasSetWorkspace(blas, blas_ws.get(), blas_ws.bytes()));
+    const float one = 1.0f, zero = 0.0f;
+    // Row-major grad_W[V, H] = dz^T x as column-major grad_W^T[H, V] = x^T dz (cuda_bench's floor call).
+    auto floor = [&] {
+      CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(K), &one, x.get(), CUDA_R_16BF,
+                                int(H), dz.get(), CUDA_R_16BF, int(V), &zero, out.get(), CUDA_R_16BF, int(H),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    auto floor_f32 = [&] {
+      CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(K), &one, x.get(), CUDA_R_16BF,
+                                int(H), dz.get(), CUDA_R_16BF, int(V), &one, out32.get(), CUDA_R_32F, int(H),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    auto hilo = [&](bool overwrite) {
+      hilo_accumulate_grad_weight(K, V, H, dz.as<__nv_bfloat16>(), V, x.as<__nv_bfloat16>(), H,
+                                  hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), H, overwrite, Scale{}, nullptr,
+                                  nullptr, 0);
+    };
+
+    // Check: the first chunk's hi is cuBLAS's bf16 output to within one bf16 ulp (both round the fp32 sum once).
+    floor();
+    hilo(true);
+    SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::size_t sample = std::size_t(1) << 22;
+    std::vector<__nv_bfloat16> a(sample), b(sample);
+    SIMPO_CUDA_CHECK(cudaMemcpy(a.data(), hi.get(), sample * 2, cudaMemcpyDeviceToHost));
+    SIMPO_CUDA_CHECK(cudaMemcpy(b.data(), out.get(), sample * 2, cudaMemcpyDeviceToHost));
+    std::size_t beyond = 0;
+    for (std::size_t i = 0; i < sample; ++i) {
+      const float p = __bfloat162float(a[i]), q = __bfloat162float(b[i]);
+      if (std::fabs(p - q) > std::ldexp(std::fabs(q), -7) + 1e-30f) ++beyond;
+    }
+    std::printf("check: %zu of %zu elements of hi more than one bf16 ulp from cuBLAS's: %s\n", beyond, sample,
+                beyond == 0 ? "ok" : "FAILED");
+    if (beyond != 0) return 1;
+
+    const auto t = bench::time_interleaved(nullptr, 3, reps, {floor, floor_f32, [&] { hilo(true); },
+                                                               [&] { hilo(false); }});
+    const char* names[] = {"floor (cuBLAS, bf16 out)", "cuBLAS into fp32, beta = 1", "hi/lo, first chunk",
+                           "hi/lo, later chunk"};
+    const double flop = 2.0 * double(V) * double(H) * double(K);
+    std::printf("M = %lld, N = %lld, K = %lld, median of %d in turns\n", (long long)V, (long long)H, (long long)K,
+                reps);
+    for (int i = 0; i < 4; ++i)
+      std::printf("  %-28s %7.3f ms  %5.0f TFLOP/s  %.3fx floor\n", names[i], t[i].median_ms,
+                  flop / t[i].median_ms * 1e-9, t[i].median_ms / t[0].median_ms);
+    CHECK_CUBLAS(cublasDestroy(blas));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "weight_gemm_cost: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
