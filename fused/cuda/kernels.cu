@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kRowThreads) target_scatter_kernel(const __nv_
   if (c == 0.0f || target[r] < v_begin || target[r] >= v_end) return;
   const std::int64_t t = target[r] - v_begin;
   const __nv_bfloat16* xr = x + r * ld_h;
-  if (grad_weight != nullptr) {  // null: the bias's term alone (the hi/lo pair takes the weight's: target_rows_hilo)
+  if (grad_weight != nullptr) {  // null: the bias's term alone (the hi/lo pair takes the weight's: target_rows_kernel)
     float* gw = grad_weight + t * ld_h;
     for (std::int64_t h = threadIdx.x; h < H; h += kRowThreads) atomicAdd(gw + h, c * __bfloat162float(xr[h]));
   }

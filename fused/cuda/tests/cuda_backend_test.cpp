@@ -366,7 +366,7 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
 // The full step with grad_W in the hi/lo pair (the default on sm_90 for a bf16 output) against the fp32 accumulator
 // (an fp32 output, rounded to bf16 here): both meet the bar, and they agree to bf16 noise, in three_pass and
 // two_pass, with a bias, random ignored rows, many rows per target (V = 44: ~20 rows share each target in a
-// chunk, target_rows_hilo's sums), V % 8 != 0 (the last rows by hilo_tail), and a chunk of two parts.
+// chunk, target_rows_kernel's sums), V % 8 != 0 (the last rows by hilo_tail), and a chunk of two parts.
 TEST(CudaBackendFeatures, HiLoGradWeightMeetsTheBarAndAgreesWithTheFp32Accumulator) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::hilo_gemm_available())
