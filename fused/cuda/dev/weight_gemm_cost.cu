@@ -8,7 +8,9 @@
 //   floor_f32:   cuBLAS into fp32 with beta = 1 (an fp32 accumulator's read-modify-write)
 //   overwrite:   the hi/lo GEMM of a step's first chunk (stores hi and lo, reads nothing)
 //   accumulate:  the hi/lo GEMM of every later chunk (reads the pair, adds, stores both)
-// so overwrite / floor is the mainloop and second store, accumulate / overwrite the read. First it checks the
+//   plain:       the hi/lo GEMM's mainloop (128x256x64 cooperative, both operands MN-major) with CUTLASS's plain
+//                epilogue (bf16 D, no C)
+// so plain / floor is the mainloop, overwrite / plain the pair's epilogue, accumulate / overwrite the read. First it checks the
 // overwrite's hi against cuBLAS's bf16 output (the same sum, each rounded once to bf16: at most one ulp apart).
 //   weight_gemm_cost [--reps N]
 #include "fused/cuda/bench/interleaved_timing.cuh"
