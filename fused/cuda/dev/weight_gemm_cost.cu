@@ -1,5 +1,5 @@
-// Experiment: where the hi/lo weight GEMM's time above cuBLAS goes. In the step it takes ~1.18x cuBLAS's weight
-// GEMM with a bf16 output (CUPTI, B = 16), the largest excess of the full step. Three causes could be it: the
+// Experiment: where the hi/lo weight GEMM's time above cuBLAS goes (in the full step, the largest excess over
+// cuBLAS's weight GEMM with a bf16 output: BENCHMARKS.md, "Where the H100's step goes"). Three causes could be it: the
 // mainloop (CUTLASS's 128x256 cooperative kernel with both operands MN-major, against cuBLAS's own), the second
 // store (hi and lo: 4 bytes per element where cuBLAS writes 2), and the read of the pair that every chunk after the
 // first adds (4 more bytes per element, which a cooperative kernel does not overlap with its MMAs). This times, in
@@ -10,8 +10,8 @@
 //   accumulate:  the hi/lo GEMM of every later chunk (reads the pair, adds, stores both)
 //   plain:       the hi/lo GEMM's mainloop (128x256x64 cooperative, both operands MN-major) with CUTLASS's plain
 //                epilogue (bf16 D, no C)
-//   plain, x K-major: the same with x read as x^T (the layout wgmma's operands most often take)
-// so plain / floor is the mainloop, overwrite / plain the pair's epilogue, accumulate / overwrite the read. First it checks the
+// so plain / floor is the mainloop, overwrite / plain the pair's epilogue, accumulate / overwrite the read. (x read
+// K-major, as x^T, measured no different from N-major: git history of this file, BENCHMARKS.md.) First it checks the
 // overwrite's hi against cuBLAS's bf16 output (the same sum, each rounded once to bf16: at most one ulp apart).
 //   weight_gemm_cost [--reps N]
 #include "fused/cuda/bench/interleaved_timing.cuh"
@@ -44,8 +44,7 @@ using namespace simpo::fused::cuda;
     if (status_ != CUBLAS_STATUS_SUCCESS) throw CudaError("cuBLAS status " + std::to_string(status_)); \
   } while (0)
 
-// The hi/lo GEMM's mainloop with CUTLASS's plain epilogue (bf16 D, no C): what the mainloop alone costs; with x
-// N-major as the step has it, and K-major (x^T), which the step would have to write.
+// The hi/lo GEMM's mainloop with CUTLASS's plain epilogue (bf16 D, no C): what the mainloop alone costs.
 struct PlainGemm {
   using Element = cutlass::bfloat16_t;
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
@@ -66,38 +65,6 @@ struct PlainGemm {
     using namespace cute;
     typename Mainloop::StrideA sa{Int<1>{}, ld_dz, 0};
     typename Mainloop::StrideB sb{Int<1>{}, ld_x, 0};
-    typename Epilogue::StrideD sd{ld_out, Int<1>{}, 0};
-    cutlass::KernelHardwareInfo hw{0, cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0)};
-    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1},
-                                  {static_cast<const Element*>(dz), sa, static_cast<const Element*>(x), sb},
-                                  {{}, nullptr, sd, static_cast<Element*>(out), sd}, hw};
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess || gemm.initialize(args, nullptr) != cutlass::Status::kSuccess ||
-        gemm.run() != cutlass::Status::kSuccess)
-      throw CudaError("plain CUTLASS GEMM failed");
-  }
-};
-
-struct PlainGemmKMajorX {
-  using Element = cutlass::bfloat16_t;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, 8, Element,
-      cutlass::layout::RowMajor, 8, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
-      cutlass::layout::ColumnMajor, 8, float, TileShape, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static void run(int K, int M, int N, const void* dz, int ld_dz, const void* x, int ld_x, void* out, int ld_out) {
-    using namespace cute;
-    typename Mainloop::StrideA sa{Int<1>{}, ld_dz, 0};
-    typename Mainloop::StrideB sb{ld_x, Int<1>{}, 0};
     typename Epilogue::StrideD sd{ld_out, Int<1>{}, 0};
     cutlass::KernelHardwareInfo hw{0, cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0)};
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1},
@@ -171,21 +138,16 @@ int main(int argc, char** argv) {
     if (beyond != 0) return 1;
 
     auto plain = [&] {
-      PlainGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), out.get(),
-                                                int(H));
-    };
-    auto plain_kmajor = [&] {  // x^T: the same bytes read as [H, K]
-      PlainGemmKMajorX::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(K),
-                                                   out.get(), int(H));
+      PlainGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), out.get(), int(H));
     };
     const auto t = bench::time_interleaved(nullptr, 3, reps, {floor, floor_f32, [&] { hilo(true); },
-                                                               [&] { hilo(false); }, plain, plain_kmajor});
+                                                               [&] { hilo(false); }, plain});
     const char* names[] = {"floor (cuBLAS, bf16 out)", "cuBLAS into fp32, beta = 1", "hi/lo, first chunk",
-                           "hi/lo, later chunk", "CUTLASS mainloop, bf16 out", "the same, x K-major"};
+                           "hi/lo, later chunk", "CUTLASS mainloop, bf16 out"};
     const double flop = 2.0 * double(V) * double(H) * double(K);
     std::printf("M = %lld, N = %lld, K = %lld, median of %d in turns\n", (long long)V, (long long)H, (long long)K,
                 reps);
-    for (int i = 0; i < 6; ++i)
+    for (int i = 0; i < 5; ++i)
       std::printf("  %-28s %7.3f ms  %5.0f TFLOP/s  %.3fx floor\n", names[i], t[i].median_ms,
                   flop / t[i].median_ms * 1e-9, t[i].median_ms / t[0].median_ms);
     CHECK_CUBLAS(cublasDestroy(blas));
