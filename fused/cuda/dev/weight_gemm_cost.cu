@@ -38,12 +38,6 @@
 
 using namespace simpo::fused::cuda;
 
-#define CHECK_CUBLAS(call)                                                                     \
-  do {                                                                                         \
-    const cublasStatus_t status_ = (call);                                                     \
-    if (status_ != CUBLAS_STATUS_SUCCESS) throw CudaError("cuBLAS status " + std::to_string(status_)); \
-  } while (0)
-
 // The hi/lo GEMM's mainloop with CUTLASS's plain epilogue (bf16 D, no C): what the mainloop alone costs.
 struct PlainGemm {
   using Element = cutlass::bfloat16_t;
@@ -100,17 +94,17 @@ int main(int argc, char** argv) {
     SIMPO_CUDA_CHECK_LAUNCH();
     SIMPO_CUDA_CHECK(cudaMemset(out32.get(), 0, out32.bytes()));
     cublasHandle_t blas;
-    CHECK_CUBLAS(cublasCreate(&blas));
-    CHECK_CUBLAS(cublasSetWorkspace(blas, blas_ws.get(), blas_ws.bytes()));
+    SIMPO_CUBLAS_CHECK(cublasCreate(&blas));
+    SIMPO_CUBLAS_CHECK(cublasSetWorkspace(blas, blas_ws.get(), blas_ws.bytes()));
     const float one = 1.0f, zero = 0.0f;
     // Row-major grad_W[V, H] = dz^T x as column-major grad_W^T[H, V] = x^T dz (cuda_bench's floor call).
     auto floor = [&] {
-      CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(K), &one, x.get(), CUDA_R_16BF,
+      SIMPO_CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(K), &one, x.get(), CUDA_R_16BF,
                                 int(H), dz.get(), CUDA_R_16BF, int(V), &zero, out.get(), CUDA_R_16BF, int(H),
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     auto floor_f32 = [&] {
-      CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(K), &one, x.get(), CUDA_R_16BF,
+      SIMPO_CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(H), int(V), int(K), &one, x.get(), CUDA_R_16BF,
                                 int(H), dz.get(), CUDA_R_16BF, int(V), &one, out32.get(), CUDA_R_32F, int(H),
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
@@ -150,7 +144,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < 5; ++i)
       std::printf("  %-28s %7.3f ms  %5.0f TFLOP/s  %.3fx floor\n", names[i], t[i].median_ms,
                   flop / t[i].median_ms * 1e-9, t[i].median_ms / t[0].median_ms);
-    CHECK_CUBLAS(cublasDestroy(blas));
+    SIMPO_CUBLAS_CHECK(cublasDestroy(blas));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "weight_gemm_cost: %s\n", e.what());
     return 1;
