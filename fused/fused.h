@@ -69,7 +69,7 @@ TensorMap compute(const Problem&, const Options& = {});
 
 // Inputs already on a CUDA device (torch, CuPy): the cuda backend on caller-owned device memory, nothing copied
 // through the host but the targets (N int64: SPEC's checks and the per-sequence math of the forward outputs are
-// host code), or, for an asynchronous call, nothing at all.
+// host code), or, with forward_on_device, nothing at all.
 struct DeviceCall {
   Shape shape;
   Hyperparameters hp;
@@ -103,16 +103,18 @@ struct DeviceCall {
   // grad_x and grad_bias are complete when the call returns, as without it. Where the pair does not run nothing is
   // deferred (pending empty) and the call is the whole step.
   bool defer_weight_finish = false;
-  // No host synchronization: the call returns once its work is enqueued (on the caller's stream's order). The
-  // targets are counted and checked on the device and the forward outputs computed there, into `forward_out`:
-  // eight device float32 buffers in problem.h's output order (loss, nll_loss, chosen_logps [P], rejected_logps
-  // [P], chosen_logits_mean, rejected_logits_mean, chosen_rewards [P], rejected_rewards [P]); DeviceResult::forward
-  // stays empty. What SPEC makes an InputError the host can no longer see: a target outside [0, V), or (with
-  // empty_sequence = error) a sequence without completion tokens, or the NLL term on with no chosen completion
-  // token, makes every forward output NaN (the gradients
-  // are then computed as if such targets were ignore_index). Needs options.validate = false (the NaN/Inf rule names
-  // an element: the host's work) and bf16 or f32 inputs (f16's dz scale is planned from the targets on the host).
-  bool asynchronous = false;
+  // The host's part of the step on the device: the targets counted and checked there (an invalid one rewritten as
+  // ignore_index, so that no kernel indexes with it) and the forward outputs computed there, into `forward_out`:
+  // eight device float32 buffers in problem.h's output order (loss, nll_loss, chosen_logps [P], rejected_logps [P],
+  // chosen_logits_mean, rejected_logits_mean, chosen_rewards [P], rejected_rewards [P]); DeviceResult::forward stays
+  // empty. The host never waits before the step's first launch. With options.validate the call synchronizes once,
+  // at its end, and raises SPEC's errors there, with the messages of the host's checks (the targets are read by the
+  // host only where the device found one invalid; the NaN/Inf rule as without forward_on_device). Without it the
+  // call is asynchronous, no host synchronization at all: it returns once its work is enqueued, and what SPEC makes
+  // an InputError (a target outside [0, V), with empty_sequence = error a sequence without completion tokens, the
+  // NLL term on with no chosen completion token) makes every forward output NaN (the gradients are then computed as
+  // if such targets were ignore_index). bf16 and f32 inputs (f16's dz scale is planned from the targets on the host).
+  bool forward_on_device = false;
   std::array<std::uintptr_t, 8> forward_out{};
 };
 

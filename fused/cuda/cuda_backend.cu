@@ -298,18 +298,17 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   if (c.workspace_size < 0 || (c.workspace && c.workspace % 256 != 0) || (c.workspace_size > 0 && !c.workspace))
     throw InputError("compute_on_device: the caller's workspace must be a 256-byte aligned device pointer with "
                      "workspace_size >= 0 bytes (device_workspace says how many)");
-  if (c.asynchronous) {
-    if (options.validate)
-      throw InputError("compute_on_device: an asynchronous call needs options.validate = false (SPEC's NaN/Inf rule "
-                       "names the first non-finite element: host work after a synchronization)");
+  if (c.forward_on_device) {
     if (c.input_dtype == DType::F16)
-      throw InputError("compute_on_device: f16 inputs cannot run asynchronously (their dz scale is planned from the "
-                       "targets on the host)");
+      throw InputError("compute_on_device: f16 inputs cannot take forward_on_device (their dz scale is planned from "
+                       "the targets on the host)");
     for (std::uintptr_t p : c.forward_out)
       if (p == 0 || p % 4 != 0)
-        throw InputError("compute_on_device: an asynchronous call needs eight 4-byte aligned device buffers in "
+        throw InputError("compute_on_device: forward_on_device needs eight 4-byte aligned device buffers in "
                          "forward_out");
   }
+  // No host synchronization at all: the forward on the device and nothing for the host to check.
+  const bool asynchronous = c.forward_on_device && !options.validate;
   if (c.defer_weight_finish && !c.workspace)
     throw InputError("compute_on_device: defer_weight_finish needs DeviceCall::workspace: the deferred GEMM's operands "
                      "stay there until finish_weight_gradient_on_device (device_workspace says how many bytes)");
@@ -332,11 +331,11 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   const StreamOrder order;
   SIMPO_CUDA_CHECK(cudaEventRecord(order.ready, caller));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream, order.ready, 0));
-  // The targets: read and checked by the host (SPEC's errors), or, asynchronously, counted and checked on the device.
-  const Problem targets = c.asynchronous ? Problem{} : targets_problem(c, stream);
+  // The targets: read and checked by the host (SPEC's errors), or counted and checked on the device.
+  const Problem targets = c.forward_on_device ? Problem{} : targets_problem(c, stream);
   DeviceBuffer checked_targets;
   DeviceTargets on_device;
-  if (c.asynchronous) {
+  if (c.forward_on_device) {
     checked_targets = DeviceBuffer(static_cast<std::size_t>(device_targets_bytes(N, s.B)), "the checked targets",
                                    stream);
     on_device = device_targets_at(checked_targets.get(), N, s.B);
@@ -357,8 +356,8 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
     dp.x = rows_for_runner<T>(c.x, N, H, x_copy, "x", stream, result.extra_device_bytes);
     dp.weight = rows_for_runner<T>(c.weight, V, H, weight_copy, "weight", stream, result.extra_device_bytes);
     dp.bias = reinterpret_cast<const T*>(c.bias);
-    dp.target = c.asynchronous ? on_device.checked : reinterpret_cast<const std::int64_t*>(c.target);
-    if (c.asynchronous)
+    dp.target = c.forward_on_device ? on_device.checked : reinterpret_cast<const std::int64_t*>(c.target);
+    if (c.forward_on_device)
       dp.on_device = on_device;
     else
       dp.targets = read_targets(targets);
@@ -396,15 +395,28 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
     for (int i = 0; i < 8; ++i) forward_out[i] = reinterpret_cast<float*>(c.forward_out[i]);
     const RowStats stats = runner.run(dp, gradients ? &g : nullptr, options, tuning, c.workspace ? &memory : nullptr,
                                       c.defer_weight_finish ? &deferred : nullptr,
-                                      c.asynchronous ? forward_out : nullptr);
+                                      c.forward_on_device ? forward_out : nullptr);
     if (want_weight && f32 && ld_h != H)
       SIMPO_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(c.grad_weight), H * 4, weight_acc.get(), ld_h * 4,
                                          H * 4, V, cudaMemcpyDeviceToDevice, stream));
-    if (!c.asynchronous) {
+    if (!c.forward_on_device) {
       result.forward = forward_outputs(targets, dp.targets, stats);
       finite = finite_statistics(stats);
     }
   });
+  if (c.forward_on_device && options.validate) {
+    // The device's verdict (invalid, nonfinite: adjacent ints), read at the call's one synchronization. Invalid
+    // targets are read by the host only now, for SPEC's message; the outputs are discarded.
+    int verdict[2] = {0, 0};
+    SIMPO_CUDA_CHECK(cudaMemcpyAsync(verdict, on_device.invalid, sizeof verdict, cudaMemcpyDeviceToHost, stream));
+    SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (verdict[0] != 0) {
+      targets_problem(c, stream);
+      throw InputError("compute_on_device: the device found an invalid target that the host's check did not (a bug: "
+                       "please report it)");
+    }
+    finite = verdict[1] == 0;
+  }
   // What the backend held beside the caller's buffers: nothing of the plan's when the call ran in its workspace.
   if (!c.workspace) {
     result.workspace_bytes = runner.last_report().workspace_bytes;
@@ -425,7 +437,7 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   // with them.
   SIMPO_CUDA_CHECK(cudaEventRecord(order.done, stream));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
-  if (!c.asynchronous) SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (!asynchronous) SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (deferred_weight)
     result.pending.state = std::make_shared<PendingWeightGradient::State>(
         PendingWeightGradient::State{.device = c.device, .chunk = deferred});

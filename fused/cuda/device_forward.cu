@@ -1,4 +1,4 @@
-// The targets kernel and the forward outputs kernel of asynchronous calls (device_forward.h).
+// The targets kernel and the forward outputs kernel of calls with the host's part on the device (device_forward.h).
 #include "fused/cuda/device_forward.h"
 
 #include <cmath>
@@ -68,9 +68,15 @@ __global__ void __launch_bounds__(kRowThreads) forward_outputs_kernel(ForwardOut
       chosen_logprobs += chosen;
     }
   }
-  // *_logits_mean: every position of the half, ignored ones included.
+  // *_logits_mean: every position of the half, ignored ones included. Every row's statistics checked finite.
   double chosen_z = 0, rejected_z = 0;
-  for (std::int64_t r = threadIdx.x; r < N; r += kRowThreads) (r < P * T ? chosen_z : rejected_z) += p.rowsum[r];
+  bool finite = true;
+  for (std::int64_t r = threadIdx.x; r < N; r += kRowThreads) {
+    (r < P * T ? chosen_z : rejected_z) += p.rowsum[r];
+    finite = finite && isfinite(p.rowsum[r]) && isfinite(p.lse[r]) && isfinite(p.z_target[r]);
+  }
+  // Read before block_sum's barriers, as this kernel's own bit is set only after them.
+  const bool targets_invalid = *p.targets.invalid != 0;
   __shared__ double s_pref[kWarps], s_chosen[kWarps], s_cz[kWarps], s_rz[kWarps];
   pref = block_sum(pref, s_pref);
   chosen_logprobs = block_sum(chosen_logprobs, s_chosen);
@@ -78,8 +84,11 @@ __global__ void __launch_bounds__(kRowThreads) forward_outputs_kernel(ForwardOut
   rejected_z = block_sum(rejected_z, s_rz);
   const std::int64_t n_chosen = *p.targets.n_chosen;
   // SPEC's last target rule: the NLL term on with no chosen completion token is 0/0.
-  const bool invalid = *p.targets.invalid != 0 || (p.compute_nll_loss && p.alpha != 0 && n_chosen == 0);
+  const bool nll_without_chosen = p.compute_nll_loss && p.alpha != 0 && n_chosen == 0;
+  const bool invalid = targets_invalid || nll_without_chosen;
+  if (!__syncthreads_and(finite) && threadIdx.x == 0) *p.targets.nonfinite = 1;
   if (threadIdx.x == 0) {
+    if (nll_without_chosen) atomicOr(p.targets.invalid, 4);
     pref /= static_cast<double>(P);
     const double nll = p.compute_nll_loss && n_chosen > 0 ? -chosen_logprobs / static_cast<double>(n_chosen) : 0.0;
     const double half_elements = static_cast<double>(P) * static_cast<double>(T) * static_cast<double>(p.V);
@@ -100,19 +109,20 @@ __global__ void __launch_bounds__(kRowThreads) forward_outputs_kernel(ForwardOut
 
 }  // namespace
 
-std::int64_t device_targets_bytes(std::int64_t N, std::int64_t B) { return align8((N + B + 1) * 8 + 4); }
+std::int64_t device_targets_bytes(std::int64_t N, std::int64_t B) { return align8((N + B + 1) * 8 + 8); }
 
 DeviceTargets device_targets_at(void* base, std::int64_t N, std::int64_t B) {
   auto* p = static_cast<std::int64_t*>(base);
   return DeviceTargets{.checked = p, .completion_tokens = p + N, .n_chosen = p + N + B,
-                       .invalid = reinterpret_cast<int*>(p + N + B + 1)};
+                       .invalid = reinterpret_cast<int*>(p + N + B + 1),
+                       .nonfinite = reinterpret_cast<int*>(p + N + B + 1) + 1};
 }
 
 void launch_device_targets(const std::int64_t* target, std::int64_t B, std::int64_t T, std::int64_t V,
                            std::int64_t ignore_index, bool empty_is_error, const DeviceTargets& out,
                            cudaStream_t stream) {
-  // n_chosen and invalid are adjacent: one memset clears both.
-  SIMPO_CUDA_CHECK(cudaMemsetAsync(out.n_chosen, 0, 8 + 4, stream));
+  // n_chosen, invalid and nonfinite are adjacent: one memset clears them.
+  SIMPO_CUDA_CHECK(cudaMemsetAsync(out.n_chosen, 0, 8 + 4 + 4, stream));
   device_targets_kernel<<<static_cast<unsigned>(B), kRowThreads, 0, stream>>>(target, T, B / 2, V, ignore_index,
                                                                              empty_is_error, out);
   SIMPO_CUDA_CHECK_LAUNCH();

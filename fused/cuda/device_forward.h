@@ -1,5 +1,5 @@
-// The host's part of a step on the device, for calls that must not synchronize (fused.h:
-// DeviceCall::asynchronous): the targets' counts and checks before the step, the forward outputs after it. The
+// The host's part of a step on the device (fused.h: DeviceCall::forward_on_device): the targets' counts and checks
+// before the step, the forward outputs and the verdict on them after it. The
 // synchronous path does both on the host (fused/forward_outputs.cpp: read_targets, validate, forward_outputs); these
 // kernels compute the same quantities with the same formulas (fused/simpo_math.h), in double.
 #pragma once
@@ -15,7 +15,10 @@ struct DeviceTargets {
   std::int64_t* checked = nullptr;            // [N] the targets, an invalid one replaced by ignore_index
   std::int64_t* completion_tokens = nullptr;  // [B] n[b]
   std::int64_t* n_chosen = nullptr;           // [1] N_c = sum of n[b] over b < P
-  int* invalid = nullptr;                     // [1] bit 0: a target outside [0, V); bit 1: an empty sequence
+  // [1] bit 0: a target outside [0, V); bit 1: an empty sequence (empty_sequence = error); bit 2 (the forward
+  // outputs kernel's): the NLL term on with no chosen completion token.
+  int* invalid = nullptr;
+  int* nonfinite = nullptr;  // [1] beside `invalid`: 1 where a row statistic is not finite (the forward outputs kernel)
 };
 std::int64_t device_targets_bytes(std::int64_t N, std::int64_t B);
 DeviceTargets device_targets_at(void* base, std::int64_t N, std::int64_t B);
@@ -23,15 +26,16 @@ DeviceTargets device_targets_at(void* base, std::int64_t N, std::int64_t B);
 // Per sequence b (one block each): n[b], the completion tokens (target != ignore_index); a target outside [0, V)
 // sets invalid bit 0 and is written to `checked` as ignore_index (so no kernel of the step indexes with it); a
 // sequence with no completion token sets bit 1 when empty_is_error (SPEC's empty_sequence = error). N_c by integer
-// atomics (the same sum in any order). Clears n_chosen and invalid first, on the stream, in one memset: `out` is
-// device_targets_at's, which lays them out side by side.
+// atomics (the same sum in any order). Clears n_chosen, invalid and nonfinite first, on the stream, in one memset:
+// `out` is device_targets_at's, which lays them out side by side.
 void launch_device_targets(const std::int64_t* target, std::int64_t B, std::int64_t T, std::int64_t V,
                            std::int64_t ignore_index, bool empty_is_error, const DeviceTargets&, cudaStream_t);
 
 // SPEC's eight forward outputs from the step's row statistics (fused/forward_outputs.h's RowStats convention: only
 // l = z_target - lse is read), in fused/forward_outputs.cpp's formulas. One block. Every output NaN where the
 // targets kernel flagged the call invalid, or where the NLL term is on (compute_nll_loss, alpha != 0) with no
-// chosen completion token (SPEC: 0/0).
+// chosen completion token (SPEC: 0/0; invalid bit 2). Sets `nonfinite` where any row's lse, z_target or rowsum is
+// not finite: the host's finite_statistics, for SPEC's NaN/Inf rule (cuda_backend.cu).
 struct ForwardOutputsParams {
   std::int64_t B, T, V;
   std::int64_t ignore_index;

@@ -38,8 +38,9 @@ struct DeviceProblemOf {
   const T* bias = nullptr;               // [V] or nullptr
   const std::int64_t* target = nullptr;  // [N]
   Targets targets;                       // host: n[b] and N_c (fused/forward_outputs.h)
-  // An asynchronous call's (fused.h: DeviceCall::asynchronous): n[b] and N_c on the device (device_forward.h),
-  // `target` its checked targets; `targets` is then unused. Not for f16 (its dz scale is planned from n[b] on the host).
+  // A call with the host's part on the device (fused.h: DeviceCall::forward_on_device): n[b] and N_c there
+  // (device_forward.h), `target` its checked targets; `targets` is then unused. Not for f16 (its dz scale is planned
+  // from n[b] on the host).
   DeviceTargets on_device;
 };
 using DeviceProblem = DeviceProblemOf<__nv_bfloat16>;
@@ -121,7 +122,7 @@ class FusedRunner {
 
   // Plans the step (plan_step) and enqueues it on stream() (gradients == nullptr: forward only), then waits once,
   // at the end, for the N rows' statistics. With forward_out (eight device float buffers in problem.h's output
-  // order, an asynchronous call's: the problem's `on_device` set) the forward outputs are computed on the device
+  // order, a forward_on_device call's: the problem's `on_device` set) the forward outputs are computed on the device
   // into them instead, nothing is waited for, and the RowStats returned are empty. Throws InputError when options.workspace_bytes cannot hold one row.
   // T: __nv_bfloat16, __half or float (explicit instantiations in fused_runner.cu).
   // memory: the run's scratch and accumulator there instead of the runner's own (which is freed: the two are never

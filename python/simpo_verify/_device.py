@@ -60,7 +60,7 @@ def check_tensors(x, weight, target, bias):
 
 def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_weight=True, residues=False,
             grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0, defer_weight=False,
-            asynchronous=False):
+            forward_on_device=False):
     """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors.
 
     grad_x / grad_weight False: that gradient (grad_weight with grad_bias) is neither computed nor returned (a frozen
@@ -68,10 +68,11 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     scale_gradient. defer_weight: where the plan keeps grad_weight in the bf16 hi/lo pair, its last GEMM waits for
     the loss scale (fused.h: DeviceCall::defer_weight_finish) in a workspace from torch's allocator:
     info["deferred"] is then (pending, workspace) for finish_weight_gradient, grad_weight is not final until then
-    and gets no residue; elsewhere info["deferred"] is None and the call is the whole step. asynchronous (validate
-    False; bf16 or f32 inputs): no host synchronization (fused.h: DeviceCall::asynchronous): the targets are checked
-    and counted on the device and the forward outputs written there; invalid targets give NaN outputs instead of
-    InputError."""
+    and gets no residue; elsewhere info["deferred"] is None and the call is the whole step. forward_on_device (bf16
+    or f32 inputs; fused.h: DeviceCall::forward_on_device): the targets are checked and counted on the device and the
+    forward outputs written there, so the host never waits before the step; with validate the call synchronizes
+    once, at its end, where SPEC's errors are raised as InputError; without it nothing synchronizes (the asynchronous
+    call) and invalid targets give NaN outputs instead of InputError."""
     import torch
 
     if not _core.has_device_entry():
@@ -80,9 +81,9 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     B, T, H, V = check_tensors(x, weight, target, bias)
     dev = x.device
     if torch.cuda.is_current_stream_capturing():
-        raise InputError("simpo_verify's fused step cannot be captured in a CUDA graph: it reads the targets on the "
-                         "host (SPEC's validation and the per-sequence averages) and synchronizes once per call; run "
-                         "it outside the captured region")
+        raise InputError("simpo_verify's fused step cannot be captured in a CUDA graph: it is not written for "
+                         "capture (with validation it synchronizes once per call, to raise SPEC's errors at its end; "
+                         "f16 reads the targets on the host first); run it outside the captured region")
     x, weight = x.detach().contiguous(), weight.detach().contiguous()
     target = target.detach().to(torch.int64).contiguous()
     bias = bias.detach().contiguous() if bias is not None else None
@@ -104,10 +105,11 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
         "grad_x_lo": 0, "grad_weight_lo": 0, "grad_bias_lo": 0,
         "gradients": gradients, "want_grad_x": want_x, "want_grad_weight": want_weight, "grad_f32": grad_f32,
         "validate": validate, "workspace_bytes": workspace_bytes, "max_chunk_rows": max_chunk_rows,
-        "workspace": 0, "workspace_size": 0, "defer_weight_finish": False, "asynchronous": asynchronous,
+        "workspace": 0, "workspace_size": 0, "defer_weight_finish": False,
+        "forward_on_device": forward_on_device,
     }
     forward = None
-    if asynchronous:  # the eight forward outputs, each a tensor of its own (an op's outputs may not alias)
+    if forward_on_device:  # the eight forward outputs, each a tensor of its own (an op's outputs may not alias)
         P = B // 2
         forward = {name: torch.empty((P,) if name.endswith(("_logps", "_rewards")) else (), dtype=torch.float32,
                                      device=dev) for name in _FORWARD_OUTPUTS}
@@ -129,7 +131,7 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
                     lo[name] = torch.empty_like(g)
                     args[name + "_lo"] = lo[name].data_ptr()
         r = _core.compute_device(args)
-    out = forward if asynchronous else _forward_outputs(r["outputs"], x)
+    out = forward if forward_on_device else _forward_outputs(r["outputs"], x)
     for name, g in (("grad_x", grad_x), ("grad_weight", grad_w), ("grad_bias", grad_b)):
         if g is not None:
             out[name] = g

@@ -6,8 +6,9 @@
     loss.backward()
 
 Backends: CUDA tensors run the fused cuda backend on the device, ordered on torch's current stream, with no copy
-through the host (the targets, B*T int64, are read by the host for validation and the per-sequence math, one
-synchronization per call; with validate=False nothing is, see below); CPU tensors run the fused cpu backend.
+through the host (bf16 and f32: the targets are checked and the per-sequence math done on the device, and the call
+synchronizes once, at its end, to raise SPEC's errors; with validate=False not at all, see below; f16 reads the
+targets on the host first); CPU tensors run the fused cpu backend.
 Gradients come from autograd: the forward computes them (3 GEMMs, as Liger does) for the inputs that require grad
 when grad mode is on: a frozen input (requires_grad False: a LoRA model's LM head, frozen hidden states) costs no
 gradient GEMM, and under torch.no_grad() or torch.inference_mode() the forward-only schedule runs (one GEMM).
@@ -51,13 +52,12 @@ def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=Tr
     residues: cuda only, for backward's scale_gradient, and with defer_weight where the plan allows it the pending
     grad_weight GEMM (pending, workspace) for _device.finish_weight_gradient, else None)."""
     if _input.is_cuda:
-        # validate=False: nothing for the host to check, so no host synchronization (f16 plans its dz scale from the
-        # targets on the host).
-        asynchronous = not validate and _input.dtype != torch.float16
+        # The targets' checks and the forward outputs on the device: the host never waits before the step (with
+        # validate=False never at all). f16 plans its dz scale from the targets on the host.
         out, info = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients, grad_x=grad_x,
                                     grad_weight=grad_weight, residues=gradients, validate=validate,
                                     workspace_bytes=workspace_bytes, defer_weight=defer_weight,
-                                    asynchronous=asynchronous)
+                                    forward_on_device=_input.dtype != torch.float16)
         return out, info["residues"], info["deferred"]
     _device.check_tensors(_input, weight, target, bias)
     return _compute(_input.detach(), weight.detach(), target.detach(),

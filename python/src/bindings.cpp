@@ -453,9 +453,9 @@ simpo::fused::DeviceCall device_call_from(const nb::dict& args) {
   c.workspace = nb::cast<std::uintptr_t>(args["workspace"]);
   c.workspace_size = nb::cast<std::int64_t>(args["workspace_size"]);
   c.defer_weight_finish = nb::cast<bool>(args["defer_weight_finish"]);
-  // The asynchronous form names its eight forward output buffers.
-  c.asynchronous = nb::cast<bool>(args["asynchronous"]);
-  if (c.asynchronous) {
+  // The forward on the device names its eight forward output buffers.
+  c.forward_on_device = nb::cast<bool>(args["forward_on_device"]);
+  if (c.forward_on_device) {
     const auto out = nb::cast<std::vector<std::uintptr_t>>(args["forward_out"]);
     if (out.size() != c.forward_out.size())
       throw InputError("compute_device: forward_out needs " + std::to_string(c.forward_out.size()) + " buffers, got " +
@@ -529,8 +529,8 @@ NB_MODULE(_core, m) {
   }, "problem"_a, "impl"_a, "gradients"_a, "grad_f32"_a, "validate"_a, "workspace_bytes"_a, "max_chunk_rows"_a);
 
   // Inputs on a CUDA device (pointers from DLPack / torch): outputs written to caller-allocated device buffers
-  // (gradients; asynchronously the forward outputs too) and returned on the host (scalars, per-pair tensors; an
-  // asynchronous call returns none). fused::compute_on_device (fused/fused.h) says what it checks.
+  // (gradients; with forward_on_device the forward outputs too) and returned on the host (scalars, per-pair tensors;
+  // a forward_on_device call returns none). fused::compute_on_device (fused/fused.h) says what it checks.
   m.def("compute_device", [](const nb::dict& args) {
     const simpo::fused::DeviceCall c = device_call_from(args);
     simpo::fused::DeviceResult r;

@@ -808,9 +808,9 @@ TEST(CudaBackendDeferredWeight, MisuseIsAnInputErrorAndOtherPlansDeferNothing) {
   EXPECT_EQ(whole.plan.find("deferred"), std::string::npos) << whole.plan;
 }
 
-// ---- asynchronous calls (fused.h: DeviceCall::asynchronous) ----
+// ---- the host's part on the device (fused.h: DeviceCall::forward_on_device): validated, or asynchronous ----
 
-// The eight forward outputs of an asynchronous call, in device buffers of their own (problem.h's output order).
+// The eight forward outputs of a forward_on_device call, in device buffers of their own (problem.h's output order).
 struct DeviceForwardOutputs {
   std::vector<std::string> names;
   std::vector<cuda::DeviceBuffer> buffers;
@@ -839,10 +839,11 @@ struct DeviceForwardOutputs {
   }
 };
 
-// The same call synchronously (host targets and forward outputs) and asynchronously (both on the device), on the
-// deferral's shapes and chunkings, deferred or not, and through the low-memory schedule: the gradients bit for bit
-// (the same kernels on the same n[b], and alpha / N_c is one IEEE division on either side), the forward outputs to
-// the float rounding of doubles summed in another order (at most one ulp apart).
+// The same call with the host's part on the host (targets and forward outputs) and on the device, asynchronous
+// (validate false) and validated (one synchronization at the end), on the deferral's shapes and chunkings, deferred
+// or not, and through the low-memory schedule: the gradients bit for bit (the same kernels on the same n[b], and
+// alpha / N_c is one IEEE division on either side), the forward outputs to the float rounding of doubles summed in
+// another order (at most one ulp apart).
 TEST(CudaBackendAsynchronous, OutputsAreTheSynchronousCalls) {
   SKIP_WITHOUT_HILO();
   struct Variant {
@@ -863,7 +864,7 @@ TEST(CudaBackendAsynchronous, OutputsAreTheSynchronousCalls) {
       DeviceStep step(problem, options);
       const cuda::Tuning tuning{.low_memory = v.low_memory ? cuda::Tuning::LowMemory::always
                                                            : cuda::Tuning::LowMemory::automatic};
-      auto run = [&](bool asynchronous, const DeviceForwardOutputs* out) {
+      auto run = [&](bool validate, const DeviceForwardOutputs* out) {
         for (const cuda::DeviceBuffer* g : {&step.grad_x, &step.grad_weight, &step.grad_bias})
           EXPECT_EQ(cudaSuccess, cudaMemset(g->get(), 0xFF, g->bytes()));
         DeviceCall c = step.call;
@@ -875,7 +876,8 @@ TEST(CudaBackendAsynchronous, OutputsAreTheSynchronousCalls) {
           c.workspace = address(workspace);
           c.workspace_size = need.bytes;
         }
-        c.asynchronous = asynchronous;
+        c.options.validate = validate;
+        c.forward_on_device = out != nullptr;
         if (out) out->attach(c);
         const DeviceResult r = cuda::compute_on_device(c, tuning);
         EXPECT_EQ(r.pending.waiting(), v.defer) << r.plan;
@@ -887,23 +889,27 @@ TEST(CudaBackendAsynchronous, OutputsAreTheSynchronousCalls) {
         return std::make_pair(r, step.gradients(1.0));
       };
       const auto [sync, expected] = run(false, nullptr);
-      const DeviceForwardOutputs out(shape);
-      const auto [async, got] = run(true, &out);
-      EXPECT_TRUE(async.forward.empty()) << "an asynchronous call's forward outputs are on the device";
-      for (const auto& [name, t] : expected) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
-      for (const auto& [name, values] : out.download()) {
-        const auto host = sync.forward.at(name).as<float>();
-        ASSERT_EQ(values.size(), host.size()) << name;
-        for (std::size_t i = 0; i < host.size(); ++i)
-          EXPECT_LE(std::abs(values[i] - host[i]), std::abs(host[i]) * 0x1p-23f + 1e-30f) << name << "[" << i << "]";
+      for (const bool validate : {false, true}) {
+        SCOPED_TRACE(validate ? "validated" : "asynchronous");
+        const DeviceForwardOutputs out(shape);
+        const auto [on_device, got] = run(validate, &out);
+        EXPECT_TRUE(on_device.forward.empty()) << "a forward_on_device call's forward outputs are on the device";
+        for (const auto& [name, t] : expected) EXPECT_EQ(got.at(name).bytes, t.bytes) << name;
+        for (const auto& [name, values] : out.download()) {
+          const auto host = sync.forward.at(name).as<float>();
+          ASSERT_EQ(values.size(), host.size()) << name;
+          for (std::size_t i = 0; i < host.size(); ++i)
+            EXPECT_LE(std::abs(values[i] - host[i]), std::abs(host[i]) * 0x1p-23f + 1e-30f) << name << "[" << i << "]";
+        }
       }
     }
 }
 
 // What SPEC makes an InputError is, asynchronously, NaN in every forward output, with no access outside the inputs
 // (memcheck runs this test): a target past V, a negative target that is not ignore_index, an empty sequence under
-// empty_sequence = error, no chosen completion token with the NLL term on. An empty sequence under
-// empty_sequence = zero is valid: finite outputs equal to the synchronous call's.
+// empty_sequence = error, no chosen completion token with the NLL term on. Validated, it is the host-side call's
+// InputError, message for message. An empty sequence under empty_sequence = zero is valid: finite outputs equal to
+// the host-side call's.
 TEST(CudaBackendAsynchronous, InvalidTargetsMakeEveryForwardOutputNaN) {
   SKIP_WITHOUT_HILO();
   const Shape shape = deferred_shapes[0];
@@ -940,14 +946,18 @@ TEST(CudaBackendAsynchronous, InvalidTargetsMakeEveryForwardOutputNaN) {
     options.validate = false;
     DeviceStep step(problem, options);
     DeviceCall call = step.call;
-    call.asynchronous = true;
+    call.forward_on_device = true;
     const DeviceForwardOutputs out(shape);
     out.attach(call);
     const DeviceResult r = compute_on_device(call);
     ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
     const auto got = out.download();
+    DeviceCall validated = call;
+    validated.options.validate = true;
     if (!c.valid) {
-      EXPECT_NE(input_error_of([&] { compute_on_device(step.call); }), "(no InputError)") << "SPEC's error, synchronously";
+      const std::string host_error = input_error_of([&] { compute_on_device(step.call); });
+      EXPECT_NE(host_error, "(no InputError)") << "SPEC's error, synchronously";
+      EXPECT_EQ(input_error_of([&] { compute_on_device(validated); }), host_error) << "validated on the device";
       for (const auto& [name, values] : got)
         for (const float value : values) EXPECT_TRUE(std::isnan(value)) << name;
       continue;
@@ -962,23 +972,61 @@ TEST(CudaBackendAsynchronous, InvalidTargetsMakeEveryForwardOutputNaN) {
   }
 }
 
-// An asynchronous call the backend cannot make is refused with the reason: validation on (the NaN/Inf rule names an
-// element on the host), f16 inputs (their dz scale is planned from the targets on the host), missing output buffers.
+// A forward_on_device call the backend cannot make is refused with the reason: f16 inputs (their dz scale is planned
+// from the targets on the host), missing output buffers.
 TEST(CudaBackendAsynchronous, RefusedWhereTheHostMustLook) {
   SKIP_WITHOUT_DEVICE();
   DeviceStep step(deferred_case(deferred_shapes[0], 83), cuda_options());
   const DeviceForwardOutputs out(deferred_shapes[0]);
   DeviceCall call = step.call;
-  call.asynchronous = true;
+  call.forward_on_device = true;
   out.attach(call);
-  EXPECT_NE(input_error_of([&] { compute_on_device(call); }).find("validate = false"), std::string::npos);
-  call.options.validate = false;
-  DeviceCall f16 = call;
-  f16.input_dtype = DType::F16;
-  EXPECT_NE(input_error_of([&] { compute_on_device(f16); }).find("f16"), std::string::npos);
-  DeviceCall missing = call;
-  missing.forward_out[3] = 0;
-  EXPECT_NE(input_error_of([&] { compute_on_device(missing); }).find("forward_out"), std::string::npos);
+  for (const bool validate : {true, false}) {
+    call.options.validate = validate;
+    DeviceCall f16 = call;
+    f16.input_dtype = DType::F16;
+    EXPECT_NE(input_error_of([&] { compute_on_device(f16); }).find("f16"), std::string::npos);
+    DeviceCall missing = call;
+    missing.forward_out[3] = 0;
+    EXPECT_NE(input_error_of([&] { compute_on_device(missing); }).find("forward_out"), std::string::npos);
+  }
+}
+
+// SPEC's NaN/Inf rule on a validated forward_on_device call: the device's check of the row statistics sends the
+// call to the scan, whose message names the first non-finite element as the host-side call's does (a NaN in x, in
+// the weight, in the bias); finite inputs raise nothing.
+TEST(CudaBackendAsynchronous, ValidatedCallsNameTheFirstNonFiniteInput) {
+  SKIP_WITHOUT_DEVICE();
+  const Shape shape = deferred_shapes[0];
+  const Problem clean = deferred_case(shape, 84);
+  struct Case {
+    std::string expected;
+    std::function<void(Problem&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"non-finite input: x(1, 2, 3)", [&](Problem& p) { p.x.as<bf16>()[(shape.T + 2) * shape.H + 3] = bf16(NAN); }},
+      {"non-finite input: weight(3, 2)", [&](Problem& p) { p.weight.as<bf16>()[3 * shape.H + 2] = bf16(INFINITY); }},
+      {"non-finite input: bias(7)", [&](Problem& p) { p.bias->as<bf16>()[7] = bf16(NAN); }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expected);
+    Problem problem = clean;
+    c.edit(problem);
+    DeviceStep step(problem, cuda_options());
+    const DeviceForwardOutputs out(shape);
+    DeviceCall validated = step.call;
+    validated.forward_on_device = true;
+    out.attach(validated);
+    const std::string host_error = input_error_of([&] { compute_on_device(step.call); });
+    EXPECT_NE(host_error.find(c.expected), std::string::npos) << host_error;
+    EXPECT_EQ(input_error_of([&] { compute_on_device(validated); }), host_error);
+  }
+  DeviceStep step(clean, cuda_options());
+  const DeviceForwardOutputs out(shape);
+  DeviceCall validated = step.call;
+  validated.forward_on_device = true;
+  out.attach(validated);
+  EXPECT_EQ(input_error_of([&] { compute_on_device(validated); }), "(no InputError)");
 }
 
 // ---- schedules and budgets ----
