@@ -78,7 +78,7 @@ struct CoefficientParams {
   double nll_weight;  // alpha / N_c on chosen rows (0 when the NLL term is off)
   const double* avg_grad;                 // [B]
   const std::int64_t* completion_tokens;  // [B]
-  // Asynchronous calls (device_forward.h): N_c on the device, and nll_weight = alpha / N_c computed there (0 for
+  // forward_on_device calls (device_forward.h): N_c on the device, and nll_weight = alpha / N_c computed there (0 for
   // N_c = 0; alpha 0 with the NLL term off) instead of the field above. nullptr: nll_weight.
   const std::int64_t* n_chosen = nullptr;
   double alpha = 0;

@@ -15,7 +15,9 @@ memory its kernel holds outside torch's allocator (workspace and fp32 accumulato
 --paired A:B (impl names, e.g. ours:ours_third, ours:ours_novalidate) times A and B in turns, one rep of each per
 round in alternating order, so both see the same clocks (timed in blocks, two runs of one impl differ by several
 per cent on a lent card): per B the medians of A and B and the median, lowest and highest of the per-round ratio
-B / A, for the forward and for the full step, in the row's "paired" and printed as `B=.. paired A:B ...`.
+B / A, for the forward and for the full step, in the row's "paired" and printed as `B=.. paired A:B ...`. The impl
+`floor` is the floor's GEMMs as a loss (the logits GEMM forward, the two gradient GEMMs backward): `floor:ours`
+gives ours' ratio to the floor timed in turns.
 """
 
 import argparse
@@ -67,8 +69,36 @@ def timed(fn, reps):
     return statistics.median(event_ms(fn) for _ in range(reps))
 
 
+class _FloorGemms(torch.autograd.Function):
+    """The floor as a loss function: forward the logits GEMM x W^T, backward the two gradient GEMMs dz W and dz^T x
+    on a fixed random dz; the loss is one logit (a view: no reduction over the logits)."""
+
+    @staticmethod
+    def forward(ctx, x, w, dz):
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, w, dz)
+        return torch.mm(x2, w.t())[0, 0]
+
+    @staticmethod
+    def backward(ctx, _grad):
+        x2, w, dz = ctx.saved_tensors
+        return torch.mm(dz, w).reshape(-1, T, H), torch.mm(dz.t(), x2), None
+
+
 def loss_fn(name):
-    """-> f(x, w, t) returning the loss (a graph when x, w require grad)."""
+    """-> f(x, w, t) returning the loss (a graph when x, w require grad). "floor": the three GEMMs of gemm_floor as
+    a loss (_FloorGemms), for --paired floor:ours, the ratio to the floor timed in turns."""
+    if name == "floor":
+        dz = {}
+
+        def floor(x, w, t):
+            key = (x.shape[0] * x.shape[1], x.dtype)
+            if key not in dz:  # one random dz per shape, made outside the timed calls' steady state
+                dz.clear()
+                dz[key] = torch.randn(key[0], V, device="cuda").to(x.dtype)
+            return _FloorGemms.apply(x, w, dz[key])
+
+        return floor
     if name in ("ours", "ours_third", "ours_novalidate"):
         from simpo_verify.torch import FusedLinearSimPOLoss
 
