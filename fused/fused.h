@@ -108,9 +108,11 @@ struct DeviceCall {
   // eight device float32 buffers in problem.h's output order (loss, nll_loss, chosen_logps [P], rejected_logps [P],
   // chosen_logits_mean, rejected_logits_mean, chosen_rewards [P], rejected_rewards [P]); DeviceResult::forward stays
   // empty. The host never waits before the step's first launch. With options.validate the call synchronizes once,
-  // at its end, and raises SPEC's errors there, with the messages of the host's checks (the targets are read by the
-  // host only where the device found one invalid; the NaN/Inf rule as without forward_on_device). Without it the
-  // call is asynchronous, no host synchronization at all: it returns once its work is enqueued, and what SPEC makes
+  // on the device's verdict, which exists once the forward's row statistics do (a chunked step's last backward may
+  // still run when it returns, ordered before the caller's later work as every call's outputs are), and raises
+  // SPEC's errors there, with the messages of the host's checks (the targets are read by the host only where the
+  // device found one invalid; the NaN/Inf rule as without forward_on_device). Without it the call is
+  // asynchronous, no host synchronization at all: it returns once its work is enqueued, and what SPEC makes
   // an InputError (a target outside [0, V), with empty_sequence = error a sequence without completion tokens, the
   // NLL term on with no chosen completion token) makes every forward output NaN (the gradients are then computed as
   // if such targets were ignore_index). bf16 and f32 inputs (f16's dz scale is planned from the targets on the host).

@@ -307,8 +307,6 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
         throw InputError("compute_on_device: forward_on_device needs eight 4-byte aligned device buffers in "
                          "forward_out");
   }
-  // No host synchronization at all: the forward on the device and nothing for the host to check.
-  const bool asynchronous = c.forward_on_device && !options.validate;
   if (c.defer_weight_finish && !c.workspace)
     throw InputError("compute_on_device: defer_weight_finish needs DeviceCall::workspace: the deferred GEMM's operands "
                      "stay there until finish_weight_gradient_on_device (device_workspace says how many bytes)");
@@ -405,17 +403,16 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
     }
   });
   if (c.forward_on_device && options.validate) {
-    // The device's verdict (invalid, nonfinite: adjacent ints), read at the call's one synchronization. Invalid
-    // targets are read by the host only now, for SPEC's message; the outputs are discarded.
-    int verdict[2] = {0, 0};
-    SIMPO_CUDA_CHECK(cudaMemcpyAsync(verdict, on_device.invalid, sizeof verdict, cudaMemcpyDeviceToHost, stream));
-    SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (verdict[0] != 0) {
+    // The call's one synchronization: the device's verdict, which exists once the forward's statistics do (the
+    // gradient work may still run). Invalid targets are read by the host only now, for SPEC's message (the copy
+    // waits for the whole step); the outputs are discarded.
+    const FusedRunner::Verdict verdict = runner.verdict();
+    if (verdict.invalid_targets) {
       targets_problem(c, stream);
       throw InputError("compute_on_device: the device found an invalid target that the host's check did not (a bug: "
                        "please report it)");
     }
-    finite = verdict[1] == 0;
+    finite = !verdict.nonfinite_statistics;
   }
   // What the backend held beside the caller's buffers: nothing of the plan's when the call ran in its workspace.
   if (!c.workspace) {
@@ -437,7 +434,7 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   // with them.
   SIMPO_CUDA_CHECK(cudaEventRecord(order.done, stream));
   SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
-  if (!asynchronous) SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (!c.forward_on_device) SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (deferred_weight)
     result.pending.state = std::make_shared<PendingWeightGradient::State>(
         PendingWeightGradient::State{.device = c.device, .chunk = deferred});

@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <type_traits>
+#include <utility>
 
 namespace simpo::fused::cuda {
 
@@ -152,9 +154,17 @@ class ChunkedStep {
     }
   }
 
+  // Called once, as soon as every row's statistics exist: after the pair math of the last pair (a chunked
+  // step with gradients; the last chunk's backward still to come).
+  void on_statistics(std::function<void()> f) { on_statistics_ = std::move(f); }
+
   Stages stages() {
     return Stages{.forward = [this](const Chunk& c, bool keep) { forward(c, keep); },
-                  .pair_math = [this](std::int64_t b, std::int64_t e) { pair_math(b, e); },
+                  .pair_math =
+                      [this](std::int64_t b, std::int64_t e) {
+                        pair_math(b, e);
+                        if (e == p_.shape.P() && on_statistics_) std::exchange(on_statistics_, nullptr)();
+                      },
                   .logits = [this](const Chunk& c) { logits(c); },
                   .backward = [this](const Chunk& c) { backward(c); }};
   }
@@ -417,6 +427,7 @@ class ChunkedStep {
   float* grad_weight_f32_ = nullptr;
   std::int64_t* deferred_targets_;  // [rows] int64, then [rows] fp32 (Layout::deferred_targets)
   HiLoChunk* deferred_;
+  std::function<void()> on_statistics_;
   __nv_bfloat16 *hi_ = nullptr, *lo_ = nullptr;
   const T* x_chunk_ = nullptr;  // the kept chunk's gathered x rows, from forward to backward
   bool first_weight_gemm_ = true;
@@ -535,6 +546,7 @@ const char* accumulator_purpose(StepPlan::GradWeight form) {
 FusedRunner::FusedRunner() {
   SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_copied_, cudaEventDisableTiming));
+  SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&verdict_ready_, cudaEventDisableTiming));
 }
 
 FusedRunner::~FusedRunner() {
@@ -543,6 +555,7 @@ FusedRunner::~FusedRunner() {
   accumulator_ = DeviceBuffer();
   if (stream_) cudaStreamSynchronize(stream_);  // no copy still reads staging_ when it goes
   if (tokens_copied_) cudaEventDestroy(tokens_copied_);
+  if (verdict_ready_) cudaEventDestroy(verdict_ready_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -649,25 +662,43 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
   const RowArrays rows(base, plan.layout);
   copy_completion_tokens(p, rows.completion_tokens);
   report_.deferred_weight = deferred != nullptr && plan.defers_weight_finish();
+  // With forward_out: the forward outputs and the verdict (the device's checks, copied into pinned memory), as soon
+  // as every row's statistics exist, so that verdict() returns while the gradient work may still run.
+  bool forward_launched = false;
+  auto forward_outputs = [&] {
+    ForwardOutputsParams f{.B = p.shape.B, .T = p.shape.T, .V = p.shape.V, .ignore_index = p.hp.ignore_index,
+                           .beta = p.hp.beta, .gamma = p.hp.gamma, .label_smoothing = p.hp.label_smoothing,
+                           .alpha = p.hp.alpha, .compute_nll_loss = p.hp.compute_nll_loss, .target = p.target,
+                           .lse = rows.lse, .z_target = rows.z_target, .rowsum = rows.rowsum, .targets = p.on_device,
+                           .out = {}};
+    for (int i = 0; i < 8; ++i) f.out[i] = forward_out[i];
+    launch_forward_outputs(f, stream_);
+    // invalid and nonfinite are adjacent (device_forward.h)
+    SIMPO_CUDA_CHECK(cudaMemcpyAsync(verdict_.reserve(2 * sizeof(int)), p.on_device.invalid, 2 * sizeof(int),
+                                     cudaMemcpyDeviceToHost, stream_));
+    SIMPO_CUDA_CHECK(cudaEventRecord(verdict_ready_, stream_));
+    forward_launched = true;
+  };
   if (plan.low_memory) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>)  // the plan picks it only where the promoted GEMM runs
       run_low_memory(p, *g, plan, base, *gemms_, static_cast<float*>(accumulator), stream_);
   } else {
     ChunkedStep<T> step(p, g, plan, base, *gemms_, accumulator, stream_, report_.deferred_weight ? deferred : nullptr);
+    if (forward_out) step.on_statistics(forward_outputs);
     step.prologue();
     walk(plan.schedule, p.shape, step.stages());
     step.epilogue();
   }
   if (forward_out == nullptr) return download_row_stats(p.shape.N(), rows.lse, rows.z_target, rows.rowsum);
   report_.gemm_fallbacks = gemms_->fallback_calls();
-  ForwardOutputsParams f{.B = p.shape.B, .T = p.shape.T, .V = p.shape.V, .ignore_index = p.hp.ignore_index,
-                         .beta = p.hp.beta, .gamma = p.hp.gamma, .label_smoothing = p.hp.label_smoothing,
-                         .alpha = p.hp.alpha, .compute_nll_loss = p.hp.compute_nll_loss, .target = p.target,
-                         .lse = rows.lse, .z_target = rows.z_target, .rowsum = rows.rowsum, .targets = p.on_device,
-                         .out = {}};
-  for (int i = 0; i < 8; ++i) f.out[i] = forward_out[i];
-  launch_forward_outputs(f, stream_);
+  if (!forward_launched) forward_outputs();
   return RowStats{};
+}
+
+FusedRunner::Verdict FusedRunner::verdict() {
+  SIMPO_CUDA_CHECK(cudaEventSynchronize(verdict_ready_));
+  const int* v = reinterpret_cast<const int*>(verdict_.reserve(2 * sizeof(int)));
+  return Verdict{.invalid_targets = v[0] != 0, .nonfinite_statistics = v[1] != 0};
 }
 
 template RowStats FusedRunner::run<__nv_bfloat16>(const DeviceProblemOf<__nv_bfloat16>&,

@@ -71,8 +71,8 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     and gets no residue; elsewhere info["deferred"] is None and the call is the whole step. forward_on_device (bf16
     or f32 inputs; fused.h: DeviceCall::forward_on_device): the targets are checked and counted on the device and the
     forward outputs written there, so the host never waits before the step; with validate the call synchronizes
-    once, at its end, where SPEC's errors are raised as InputError; without it nothing synchronizes (the asynchronous
-    call) and invalid targets give NaN outputs instead of InputError."""
+    once, on the forward's statistics, where SPEC's errors are raised as InputError; without it nothing
+    synchronizes (the asynchronous call) and invalid targets give NaN outputs instead of InputError."""
     import torch
 
     if not _core.has_device_entry():

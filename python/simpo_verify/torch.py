@@ -7,8 +7,8 @@
 
 Backends: CUDA tensors run the fused cuda backend on the device, ordered on torch's current stream, with no copy
 through the host (bf16 and f32: the targets are checked and the per-sequence math done on the device, and the call
-synchronizes once, at its end, to raise SPEC's errors; with validate=False not at all, see below; f16 reads the
-targets on the host first); CPU tensors run the fused cpu backend.
+synchronizes once, when the forward's statistics exist, to raise SPEC's errors; with validate=False not at all, see
+below; f16 reads the targets on the host first); CPU tensors run the fused cpu backend.
 Gradients come from autograd: the forward computes them (3 GEMMs, as Liger does) for the inputs that require grad
 when grad mode is on: a frozen input (requires_grad False: a LoRA model's LM head, frozen hidden states) costs no
 gradient GEMM, and under torch.no_grad() or torch.inference_mode() the forward-only schedule runs (one GEMM).
