@@ -4,8 +4,8 @@
 #   1. this package's torch tests (python/tests/test_torch.py: every dtype, frozen inputs, grad_output, no_grad);
 #   2. Liger-Kernel's test_simpo_loss.py with our module (test_simpo_ours.py: its two imports replaced) and, in
 #      the same call, as Liger ships it;
-#   3. bench_peers.py: ours at grad_output 1 and 1/3 against the floor (bf16), and ours against torch eager in
-#      float32 (torch's fp32 GEMMs, TF32 off).
+#   3. bench_peers.py: ours against the floor and at grad_output 1/3 against 1, each timed in turns (bf16; the
+#      drop-in bars' ratios), and ours against torch eager in float32 (torch's fp32 GEMMs, TF32 off).
 # Carried (ignored folders): .whl (simpo_verify cp312 wheel, liger-kernel), .pylibs (the extension's Debian shared
 # libraries: OpenBLAS, MPFR, ...; libopenblas gzipped), .liger-test (Liger-Kernel's test files). Results in $OUT.
 set -u
@@ -25,9 +25,9 @@ echo "== Liger's test_simpo_loss.py: with our module, then with Liger's"
    --junitxml=$OUT/liger-ours.xml 2>&1 | tail -8)
 (cd .liger-test && timeout 300 python3 -m pytest -q -p no:cacheprovider test/chunked_loss/test_simpo_loss.py \
    --junitxml=$OUT/liger-liger.xml 2>&1 | tail -4)
-echo "== bench: bf16, grad_output 1 and 1/3"
-timeout 200 python3 python/tools/bench_peers.py $OUT/dropin-bf16.json --impls ours,ours_third --batches ${BATCHES:-2,4,8,16} \
-  --reps ${REPS:-5} 2>&1 | grep -E "^B="
+echo "== bench: bf16, in turns: ours against the floor, grad_output 1/3 against 1"
+timeout 200 python3 python/tools/bench_peers.py $OUT/dropin-bf16.json --impls "" --batches ${BATCHES:-2,4,8,16} \
+  --paired floor:ours,ours:ours_third --reps ${REPS:-15} 2>&1 | grep -E "^B="
 echo "== bench: float32, ours and torch eager"
 timeout 200 python3 python/tools/bench_peers.py $OUT/dropin-f32.json --dtype f32 --impls ours,torch_eager \
   --batches ${F32_BATCHES:-2,4} --reps 3 2>&1 | grep -E "^B="
