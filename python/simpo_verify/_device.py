@@ -82,8 +82,8 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     dev = x.device
     if torch.cuda.is_current_stream_capturing():
         raise InputError("simpo_verify's fused step cannot be captured in a CUDA graph: it is not written for "
-                         "capture (with validation it synchronizes once per call, to raise SPEC's errors at its end; "
-                         "f16 reads the targets on the host first); run it outside the captured region")
+                         "capture (with validation it synchronizes once per call, to raise SPEC's errors; f16 reads "
+                         "the targets on the host first); run it outside the captured region")
     x, weight = x.detach().contiguous(), weight.detach().contiguous()
     target = target.detach().to(torch.int64).contiguous()
     bias = bias.detach().contiguous() if bias is not None else None

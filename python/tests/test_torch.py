@@ -3,7 +3,6 @@
 import time
 
 import numpy as np
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed here: the torch module's tests run where it is "
