@@ -4,10 +4,12 @@ bf16 GEMMs of the floor profiled the same way. Prints, per kernel (CUTLASS and c
 they compute), its device time per step and its share; the floor's GEMMs likewise.
 
     python3 profile_step.py [--B 8] [--steps 3] [--data normal|uniform] [--timeline] [--impl ours|ours_novalidate]
+                            [--forward]
 
 --timeline adds, for one more step of ours, the device's idle gaps with the host's CUDA runtime calls inside each
 (step_timeline.py): where the step waits on the host (synchronizations, Python, validation) rather than on kernels.
 --impl ours_novalidate profiles the module with validate=False (the asynchronous call: no host synchronization).
+--forward profiles the forward under torch.no_grad (the drop-in's forward bar) against the logits GEMM alone.
 
 Why a profiler and not events around each phase: the fused step is one call that enqueues ~15 kernels per chunk;
 the profiler's CUPTI records give each kernel's own device time without changing what runs.
@@ -114,6 +116,9 @@ def main():
     a.add_argument("--min-gap-us", type=float, default=10.0, help="--timeline: the shortest idle interval listed")
     a.add_argument("--impl", choices=["ours", "ours_novalidate"], default="ours",
                    help="the module as bench_peers.py names it (ours_novalidate: validate=False)")
+    a.add_argument("--forward", action="store_true",
+                   help="the forward under torch.no_grad (the forward-only schedule) instead of forward + backward; "
+                        "the floor is then the logits GEMM alone")
     args = a.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.data == "normal":
@@ -127,15 +132,27 @@ def main():
         x = uniform(args.B, T, H, half_width=3.0 ** 0.5)
         t = torch.randint(0, V, (args.B, T), device="cuda", generator=g)
         t[:, : T // 10] = -100
-    step, _, _ = training_step(loss_fn(args.impl), x, w, t)
+    if args.forward:
+        f = loss_fn(args.impl)
+
+        def step():
+            with torch.no_grad():
+                f(x, w, t)
+    else:
+        step, _, _ = training_step(loss_fn(args.impl), x, w, t)
 
     print(f"B={args.B} T={T} H={H} V={V}, {args.data} inputs, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    show("ours, forward + backward", kernel_times(step, args.steps), timed(step, 5))
+    show("ours, " + ("the forward under no_grad" if args.forward else "forward + backward"),
+         kernel_times(step, args.steps), timed(step, 5))
     if args.timeline:
         print("== ours, one step's timeline (device idle gaps and the host's CUDA runtime calls inside them)")
         print(timeline(step, args.min_gap_us))
     N = args.B * T
     x2 = x.reshape(N, H)
+    if args.forward:
+        gemm = lambda: x2 @ w.t()  # noqa: E731
+        show("floor: the logits GEMM", kernel_times(gemm, args.steps), timed(gemm, 5))
+        return
     dz = (torch.randn(N, V, device="cuda", generator=g).to(torch.bfloat16) if args.data == "normal"
           else uniform(N, V, half_width=1e-3))
     gemms = lambda: (x2 @ w.t(), dz @ w, dz.t() @ x2)  # noqa: E731
