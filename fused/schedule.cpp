@@ -96,16 +96,21 @@ Schedule plan_rows(const Shape& shape, std::int64_t rows_that_fit, const Options
 }
 
 void walk(const Schedule& schedule, const Shape& shape, const Stages& stages) {
+  const auto statistics_known = [&] {
+    if (stages.statistics_known) stages.statistics_known();
+  };
   switch (schedule.mode) {
     case Mode::three_pass:
       for (const Chunk& c : schedule.chunks) {
         stages.forward(c, /*keep=*/true);
+        if (&c == &schedule.chunks.back()) statistics_known();
         stages.pair_math(c.pair_begin, c.pair_end);
         stages.backward(c);
       }
       return;
     case Mode::two_pass:
       for (const Chunk& c : schedule.chunks) stages.forward(c, /*keep=*/false);
+      statistics_known();
       stages.pair_math(0, shape.P());
       for (const Chunk& c : schedule.chunks) {
         stages.logits(c);  // recomputed: the budget could not keep a whole pair's logits
@@ -114,6 +119,7 @@ void walk(const Schedule& schedule, const Shape& shape, const Stages& stages) {
       return;
     case Mode::forward_only:
       for (const Chunk& c : schedule.chunks) stages.forward(c, /*keep=*/false);
+      statistics_known();
       return;
   }
 }

@@ -70,9 +70,11 @@ Schedule plan(const Shape&, const Options&, bool allow_three_pass = true);
 Schedule plan_rows(const Shape&, std::int64_t rows_that_fit, const Options&, bool allow_three_pass = true);
 
 // The stages of a step, as a backend implements them. walk() calls them in the order the schedule's mode asks:
-//   three_pass    per chunk: forward(c, keep = true), pair_math(c's pairs), backward(c)
-//   two_pass      per chunk: forward(c, false); pair_math(all pairs); per chunk: logits(c), backward(c)
-//   forward_only  per chunk: forward(c, false)
+//   three_pass    per chunk: forward(c, keep = true), [statistics_known() after the last], pair_math(c's pairs),
+//                 backward(c)
+//   two_pass      per chunk: forward(c, false); statistics_known(); pair_math(all pairs); per chunk: logits(c),
+//                 backward(c)
+//   forward_only  per chunk: forward(c, false); statistics_known()
 struct Stages {
   // The chunk's logits and their row statistics; keep: its backward follows before the next chunk, so the chunk's
   // logits (or what dz needs of them) stay in its buffers.
@@ -81,6 +83,9 @@ struct Stages {
   std::function<void(std::int64_t pair_begin, std::int64_t pair_end)> pair_math;
   std::function<void(const Chunk&)> logits;    // two_pass: the chunk's logits again, to be kept for its backward
   std::function<void(const Chunk&)> backward;  // dz from the kept logits, the gradient GEMMs
+  // Optional: called once, as soon as every row's statistics exist (the forward outputs need nothing more), while
+  // the gradient work may still follow.
+  std::function<void()> statistics_known;
 };
 void walk(const Schedule&, const Shape&, const Stages&);
 

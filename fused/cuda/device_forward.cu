@@ -15,30 +15,39 @@ using namespace ::simpo::fused::cuda::rows;
 
 constexpr std::int64_t align8(std::int64_t bytes) { return (bytes + 7) / 8 * 8; }
 
-// One block per sequence: its completion tokens, its targets checked into `checked`.
-__global__ void __launch_bounds__(kRowThreads) device_targets_kernel(const std::int64_t* target, std::int64_t T,
-                                                                    std::int64_t P, std::int64_t V,
+// One block over every sequence: the targets are few (N int64) and one block's pass over them costs less than a
+// second launch, and with no other block to wait for it writes n_chosen, invalid and nonfinite outright (no
+// memset before it, no atomics).
+__global__ void __launch_bounds__(kRowThreads) device_targets_kernel(const std::int64_t* target, std::int64_t B,
+                                                                    std::int64_t T, std::int64_t V,
                                                                     std::int64_t ignore_index, bool empty_is_error,
                                                                     DeviceTargets out) {
-  const std::int64_t b = blockIdx.x;
-  double count = 0;  // exact: at most T
-  bool out_of_range = false;
-  for (std::int64_t i = threadIdx.x; i < T; i += kRowThreads) {
-    const std::int64_t r = b * T + i, t = target[r];
-    const bool ignored = t == ignore_index, valid = t >= 0 && t < V;
-    if (!ignored && !valid) out_of_range = true;
-    if (!ignored && valid) count += 1;
-    out.checked[r] = ignored || !valid ? ignore_index : t;
-  }
-  if (out_of_range) atomicOr(out.invalid, 1);
   __shared__ double shared[kWarps];
-  const double n = block_sum(count, shared);
+  const std::int64_t P = B / 2;
+  std::int64_t n_chosen = 0;  // thread 0's
+  bool out_of_range = false, empty = false;
+  for (std::int64_t b = 0; b < B; ++b) {
+    double count = 0;  // exact: at most T
+    for (std::int64_t i = threadIdx.x; i < T; i += kRowThreads) {
+      const std::int64_t r = b * T + i, t = target[r];
+      const bool ignored = t == ignore_index, valid = t >= 0 && t < V;
+      if (!ignored && !valid) out_of_range = true;
+      if (!ignored && valid) count += 1;
+      out.checked[r] = ignored || !valid ? ignore_index : t;
+    }
+    const auto tokens = static_cast<std::int64_t>(block_sum(count, shared));
+    if (threadIdx.x == 0) {
+      out.completion_tokens[b] = tokens;
+      if (b < P) n_chosen += tokens;
+      if (tokens == 0 && empty_is_error) empty = true;
+    }
+    __syncthreads();  // thread 0 has read `shared` before the next sequence's sum writes it
+  }
+  out_of_range = __syncthreads_or(out_of_range);
   if (threadIdx.x == 0) {
-    const auto tokens = static_cast<std::int64_t>(n);
-    out.completion_tokens[b] = tokens;
-    // Integer adds: the same N_c in any order.
-    if (b < P) atomicAdd(reinterpret_cast<unsigned long long*>(out.n_chosen), static_cast<unsigned long long>(tokens));
-    if (tokens == 0 && empty_is_error) atomicOr(out.invalid, 2);
+    *out.n_chosen = n_chosen;
+    *out.invalid = (out_of_range ? 1 : 0) | (empty ? 2 : 0);
+    *out.nonfinite = 0;
   }
 }
 
@@ -121,10 +130,7 @@ DeviceTargets device_targets_at(void* base, std::int64_t N, std::int64_t B) {
 void launch_device_targets(const std::int64_t* target, std::int64_t B, std::int64_t T, std::int64_t V,
                            std::int64_t ignore_index, bool empty_is_error, const DeviceTargets& out,
                            cudaStream_t stream) {
-  // n_chosen, invalid and nonfinite are adjacent: one memset clears them.
-  SIMPO_CUDA_CHECK(cudaMemsetAsync(out.n_chosen, 0, 8 + 4 + 4, stream));
-  device_targets_kernel<<<static_cast<unsigned>(B), kRowThreads, 0, stream>>>(target, T, B / 2, V, ignore_index,
-                                                                             empty_is_error, out);
+  device_targets_kernel<<<1, kRowThreads, 0, stream>>>(target, B, T, V, ignore_index, empty_is_error, out);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -23,11 +23,11 @@ struct DeviceTargets {
 std::int64_t device_targets_bytes(std::int64_t N, std::int64_t B);
 DeviceTargets device_targets_at(void* base, std::int64_t N, std::int64_t B);
 
-// Per sequence b (one block each): n[b], the completion tokens (target != ignore_index); a target outside [0, V)
-// sets invalid bit 0 and is written to `checked` as ignore_index (so no kernel of the step indexes with it); a
-// sequence with no completion token sets bit 1 when empty_is_error (SPEC's empty_sequence = error). N_c by integer
-// atomics (the same sum in any order). Clears n_chosen, invalid and nonfinite first, on the stream, in one memset:
-// `out` is device_targets_at's, which lays them out side by side.
+// One kernel (one block) per call: for each sequence b, n[b], the completion tokens (target != ignore_index); a
+// target outside [0, V) sets invalid bit 0 and is written to `checked` as ignore_index (so no kernel of the step
+// indexes with it); a sequence with no completion token sets bit 1 when empty_is_error (SPEC's empty_sequence =
+// error). Writes N_c (an integer sum), invalid, and nonfinite = 0 (the forward outputs kernel's to set): `out`
+// needs no clearing first.
 void launch_device_targets(const std::int64_t* target, std::int64_t B, std::int64_t T, std::int64_t V,
                            std::int64_t ignore_index, bool empty_is_error, const DeviceTargets&, cudaStream_t);
 

@@ -123,8 +123,9 @@ class FusedRunner {
   // Plans the step (plan_step) and enqueues it on stream() (gradients == nullptr: forward only), then waits once,
   // at the end, for the N rows' statistics. With forward_out (eight device float buffers in problem.h's output
   // order, a forward_on_device call's: the problem's `on_device` set) the forward outputs are computed on the device
-  // into them instead, as soon as every row's statistics exist, with the verdict (verdict()) after them; nothing is
-  // waited for, and the RowStats returned are empty. Throws InputError when options.workspace_bytes cannot hold one row.
+  // into them instead, as soon as every row's statistics exist (walk()'s statistics_known), followed for a validated
+  // run by the verdict (verdict()); nothing is waited for, and the RowStats returned are empty. Throws InputError
+  // when options.workspace_bytes cannot hold one row.
   // T: __nv_bfloat16, __half or float (explicit instantiations in fused_runner.cu).
   // memory: the run's scratch and accumulator there instead of the runner's own (which is freed: the two are never
   // held at once); InputError when it is smaller than the plan's caller_workspace_bytes(). deferred (with memory,
@@ -136,8 +137,8 @@ class FusedRunner {
                const Tuning& = {}, const CallerMemory* memory = nullptr, HiLoChunk* deferred = nullptr,
                float* const* forward_out = nullptr);
 
-  // A forward_out run's checks (device_forward.h's invalid and nonfinite), once the device has made them: waits for
-  // the run's forward outputs only, which a chunked step with gradients enqueues before its last backward.
+  // A validated forward_out run's checks (device_forward.h's invalid and nonfinite), once the device has made them:
+  // waits for the run's forward outputs only, which a step with gradients enqueues before its last backward.
   struct Verdict {
     bool invalid_targets = false;       // a target SPEC refuses (the host's validate() says which)
     bool nonfinite_statistics = false;  // a row's lse, z_target or rowsum not finite (SPEC's NaN/Inf rule)

@@ -55,11 +55,14 @@ T* at(char* base, std::int64_t offset) {
 }
 
 // The row statistics and per-sequence arrays every schedule keeps for the whole run (the plan's fixed layout).
+// The completion-token counts are read where the device's targets kernel left them, else from the workspace
+// (FusedRunner::copy_completion_tokens puts the host's there).
 struct RowArrays {
   float *row_max, *lse, *z_target, *z_target_raw, *target_coef;
   double *rowsum, *avg_grad;
-  std::int64_t* completion_tokens;
-  RowArrays(char* base, const Layout& l)
+  const std::int64_t* completion_tokens;
+  template <class T>
+  RowArrays(char* base, const Layout& l, const DeviceProblemOf<T>& p)
       : row_max(at<float>(base, l.row_max)),
         lse(at<float>(base, l.lse)),
         z_target(at<float>(base, l.z_target)),
@@ -67,7 +70,8 @@ struct RowArrays {
         target_coef(at<float>(base, l.target_coef)),
         rowsum(at<double>(base, l.rowsum)),
         avg_grad(at<double>(base, l.avg_grad)),
-        completion_tokens(at<std::int64_t>(base, l.completion_tokens)) {}
+        completion_tokens(p.on_device.completion_tokens ? p.on_device.completion_tokens
+                                                        : at<std::int64_t>(base, l.completion_tokens)) {}
 };
 
 template <class T>
@@ -120,7 +124,7 @@ class ChunkedStep {
         g_(g),
         plan_(plan),
         l_(plan.layout),
-        rows_(base, plan.layout),
+        rows_(base, plan.layout, p),
         gemm_scratch_(base + plan.layout.gemm),
         gemms_(gemms),
         stream_(stream),
@@ -156,17 +160,13 @@ class ChunkedStep {
 
   // Called once, as soon as every row's statistics exist: after the pair math of the last pair (a chunked
   // step with gradients; the last chunk's backward still to come).
-  void on_statistics(std::function<void()> f) { on_statistics_ = std::move(f); }
-
-  Stages stages() {
+  // statistics_known: walk()'s optional stage (the forward outputs, where the call writes them on the device).
+  Stages stages(std::function<void()> statistics_known) {
     return Stages{.forward = [this](const Chunk& c, bool keep) { forward(c, keep); },
-                  .pair_math =
-                      [this](std::int64_t b, std::int64_t e) {
-                        pair_math(b, e);
-                        if (e == p_.shape.P() && on_statistics_) std::exchange(on_statistics_, nullptr)();
-                      },
+                  .pair_math = [this](std::int64_t b, std::int64_t e) { pair_math(b, e); },
                   .logits = [this](const Chunk& c) { logits(c); },
-                  .backward = [this](const Chunk& c) { backward(c); }};
+                  .backward = [this](const Chunk& c) { backward(c); },
+                  .statistics_known = std::move(statistics_known)};
   }
 
   void prologue() {
@@ -427,7 +427,6 @@ class ChunkedStep {
   float* grad_weight_f32_ = nullptr;
   std::int64_t* deferred_targets_;  // [rows] int64, then [rows] fp32 (Layout::deferred_targets)
   HiLoChunk* deferred_;
-  std::function<void()> on_statistics_;
   __nv_bfloat16 *hi_ = nullptr, *lo_ = nullptr;
   const T* x_chunk_ = nullptr;  // the kept chunk's gathered x rows, from forward to backward
   bool first_weight_gemm_ = true;
@@ -445,13 +444,13 @@ class ChunkedStep {
 //      slice's last block its grad_W rows get their target term and are rounded into a bf16 output, and after
 //      the last slice grad_x is finished as in the other schedules (target term, one rounding).
 void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const StepPlan& plan, char* base, Gemms& gemms,
-                    float* grad_x_sum, cudaStream_t stream) {
+                    float* grad_x_sum, cudaStream_t stream, const std::function<void()>& statistics_known) {
   const Shape& s = p.shape;
   const Hyperparameters& hp = p.hp;
   const std::int64_t N = s.N(), P = s.P(), V = s.V, H = s.H, ld_h = p.ld_h, tiles = statistics_tiles(V);
   const SlicedLayout& l = plan.sliced;
   const std::int64_t C = l.slice_columns, R = l.block_rows;
-  const RowArrays rows(base, plan.layout);
+  const RowArrays rows(base, plan.layout, p);
   void* gemm_scratch = base + plan.layout.gemm;
   const auto gemm_bytes = static_cast<std::size_t>(plan.layout.gemm_bytes);
   const std::int64_t promotion_k = plan.logits.promotion_k;
@@ -487,6 +486,7 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
                                    rows.z_target_raw, p.target, hp.ignore_index};
       launch_merge_tile_stats(partials, rows.row_max, rows.lse, rows.z_target, rows.rowsum, stream);
     }
+  if (statistics_known) statistics_known();
   // 2. pair math
   launch_pair_math(pair_params(p), 0, P, p.target, rows.lse, rows.z_target, rows.completion_tokens, rows.avg_grad,
                    stream);
@@ -559,16 +559,13 @@ FusedRunner::~FusedRunner() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-// The completion-token counts into the workspace, before any stage reads them (the pair math): from the device
-// where the caller has them there, else from the host through staging_. The staged bytes are rewritten only once
-// the last run's copy of them has happened.
+// The host's completion-token counts into the workspace, before any stage reads them (the pair math), through
+// staging_. The staged bytes are rewritten only once the last run's copy of them has happened. Counts already on
+// the device (the targets kernel's) are read where they are (RowArrays): no copy.
 template <class T>
 void FusedRunner::copy_completion_tokens(const DeviceProblemOf<T>& p, std::int64_t* to) {
+  if (p.on_device.completion_tokens != nullptr) return;
   const std::size_t bytes = static_cast<std::size_t>(p.shape.B) * 8;
-  if (p.on_device.completion_tokens != nullptr) {
-    SIMPO_CUDA_CHECK(cudaMemcpyAsync(to, p.on_device.completion_tokens, bytes, cudaMemcpyDeviceToDevice, stream_));
-    return;
-  }
   SIMPO_CUDA_CHECK(cudaEventSynchronize(tokens_copied_));
   // Room for download_row_stats too, so that it never reallocates under this copy.
   char* staged = staging_.reserve(std::max(bytes, static_cast<std::size_t>(p.shape.N()) * 16));
@@ -659,13 +656,14 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
                                              : nullptr;
     base = allocate_workspace(plan.layout, plan.workspace_bytes);
   }
-  const RowArrays rows(base, plan.layout);
-  copy_completion_tokens(p, rows.completion_tokens);
+  const RowArrays rows(base, plan.layout, p);
+  copy_completion_tokens(p, at<std::int64_t>(base, plan.layout.completion_tokens));
   report_.deferred_weight = deferred != nullptr && plan.defers_weight_finish();
-  // With forward_out: the forward outputs and the verdict (the device's checks, copied into pinned memory), as soon
-  // as every row's statistics exist, so that verdict() returns while the gradient work may still run.
-  bool forward_launched = false;
-  auto forward_outputs = [&] {
+  // With forward_out: the forward outputs and, for a validated call, the verdict (the device's checks, copied into
+  // pinned memory), as soon as every row's statistics exist, so that verdict() returns while the gradient work may
+  // still run.
+  std::function<void()> forward_outputs;
+  if (forward_out) forward_outputs = [&] {
     ForwardOutputsParams f{.B = p.shape.B, .T = p.shape.T, .V = p.shape.V, .ignore_index = p.hp.ignore_index,
                            .beta = p.hp.beta, .gamma = p.hp.gamma, .label_smoothing = p.hp.label_smoothing,
                            .alpha = p.hp.alpha, .compute_nll_loss = p.hp.compute_nll_loss, .target = p.target,
@@ -673,25 +671,23 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
                            .out = {}};
     for (int i = 0; i < 8; ++i) f.out[i] = forward_out[i];
     launch_forward_outputs(f, stream_);
+    if (!options.validate) return;
     // invalid and nonfinite are adjacent (device_forward.h)
     SIMPO_CUDA_CHECK(cudaMemcpyAsync(verdict_.reserve(2 * sizeof(int)), p.on_device.invalid, 2 * sizeof(int),
                                      cudaMemcpyDeviceToHost, stream_));
     SIMPO_CUDA_CHECK(cudaEventRecord(verdict_ready_, stream_));
-    forward_launched = true;
   };
   if (plan.low_memory) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>)  // the plan picks it only where the promoted GEMM runs
-      run_low_memory(p, *g, plan, base, *gemms_, static_cast<float*>(accumulator), stream_);
+      run_low_memory(p, *g, plan, base, *gemms_, static_cast<float*>(accumulator), stream_, forward_outputs);
   } else {
     ChunkedStep<T> step(p, g, plan, base, *gemms_, accumulator, stream_, report_.deferred_weight ? deferred : nullptr);
-    if (forward_out) step.on_statistics(forward_outputs);
     step.prologue();
-    walk(plan.schedule, p.shape, step.stages());
+    walk(plan.schedule, p.shape, step.stages(forward_outputs));
     step.epilogue();
   }
   if (forward_out == nullptr) return download_row_stats(p.shape.N(), rows.lse, rows.z_target, rows.rowsum);
   report_.gemm_fallbacks = gemms_->fallback_calls();
-  if (!forward_launched) forward_outputs();
   return RowStats{};
 }
 

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace simpo::fused {
@@ -103,6 +104,34 @@ TEST(Schedule, RowCountPlansLikeTheBudget) {
   o.max_chunk_rows = 5;
   EXPECT_EQ(plan_rows(shape, 45, o).chunk_rows, 5);
   EXPECT_THROW(plan_rows(shape, 0, o), InputError);
+}
+
+// walk() in each mode: the stages in the documented order, statistics_known once, right after the last row's
+// statistics (the last forward) and before any gradient stage that follows it.
+TEST(Schedule, WalkCallsStatisticsKnownOnceTheLastStatisticsExist) {
+  std::string calls;
+  const Stages stages{.forward = [&](const Chunk&, bool keep) { calls += keep ? 'F' : 'f'; },
+                      .pair_math = [&](std::int64_t, std::int64_t) { calls += 'p'; },
+                      .logits = [&](const Chunk&) { calls += 'l'; },
+                      .backward = [&](const Chunk&) { calls += 'b'; },
+                      .statistics_known = [&] { calls += 'S'; }};
+  Options o;
+  o.max_chunk_rows = 45;  // three_pass, 2 chunks
+  walk(plan(shape, o), shape, stages);
+  EXPECT_EQ(calls, "FpbFSpb");
+  calls.clear();
+  o.max_chunk_rows = 19;  // two_pass, 4 chunks
+  walk(plan(shape, o), shape, stages);
+  EXPECT_EQ(calls, "ffffSplblblblb");
+  calls.clear();
+  o.gradients = false;
+  walk(plan(shape, o), shape, stages);
+  EXPECT_EQ(calls, "ffffS");
+  calls.clear();
+  Stages without = stages;  // optional: a backend that does not ask is walked as before
+  without.statistics_known = nullptr;
+  walk(plan(shape, o), shape, without);
+  EXPECT_EQ(calls, "ffff");
 }
 
 using math::log_sigmoid;
