@@ -60,7 +60,7 @@ def check_tensors(x, weight, target, bias):
 
 def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_weight=True, residues=False,
             grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0, defer_weight=False,
-            forward_on_device=False):
+            forward_on_device=False, shape=None):
     """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors.
 
     grad_x / grad_weight False: that gradient (grad_weight with grad_bias) is neither computed nor returned (a frozen
@@ -72,13 +72,14 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     or f32 inputs; fused.h: DeviceCall::forward_on_device): the targets are checked and counted on the device and the
     forward outputs written there, so the host never waits before the step; with validate the call synchronizes
     once, on the forward's statistics, where SPEC's errors are raised as InputError; without it nothing
-    synchronizes (the asynchronous call) and invalid targets give NaN outputs instead of InputError."""
+    synchronizes (the asynchronous call) and invalid targets give NaN outputs instead of InputError. shape: the
+    (B, T, H, V) check_tensors returned for these tensors, where the caller has checked them already."""
     import torch
 
     if not _core.has_device_entry():
         raise InputError("inputs on a CUDA device, but this simpo_verify was built without the cuda backend "
                          "(no nvcc at build time): move them to the host, or rebuild where nvcc is installed")
-    B, T, H, V = check_tensors(x, weight, target, bias)
+    B, T, H, V = shape if shape is not None else check_tensors(x, weight, target, bias)
     dev = x.device
     if torch.cuda.is_current_stream_capturing():
         raise InputError("simpo_verify's fused step cannot be captured in a CUDA graph: it is not written for "

@@ -29,10 +29,11 @@ def fused_linear_simpo_op(x: torch.Tensor, weight: torch.Tensor, target: torch.T
     for, and a residue that does not exist (f32, or the cpu backend), is an empty tensor."""
     from .torch import _check_dtypes, _hyperparameters, _run
 
-    _check_dtypes(x, weight, target, bias)
+    shape = _check_dtypes(x, weight, target, bias)
     hp = _hyperparameters(ignore_index, beta, alpha, label_smoothing, compute_nll_loss, gamma, empty_sequence)
     gradients = want_x or want_weight
-    out, residues, _ = _run(x, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight, validate)
+    out, residues, _ = _run(x, weight, target, bias, hp, gradients, workspace_bytes, want_x, want_weight, validate,
+                            shape=shape)
     wanted = {"grad_x": want_x, "grad_weight": want_weight, "grad_bias": want_weight and bias is not None}
     # A missing one is its own empty tensor: an op's outputs may not alias one another.
     grads = [out[n] if wanted[n] and n in out else x.new_empty(0) for n in _GRADIENTS]

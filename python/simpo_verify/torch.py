@@ -38,6 +38,8 @@ beyond fp32 noise).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import DEFAULT_WORKSPACE_BYTES, _device, compute as _compute
@@ -46,18 +48,25 @@ from ._arrays import InputError, metadata
 __all__ = ["FusedLinearSimPOLoss", "fused_linear_simpo", "InputError"]
 
 
+@functools.lru_cache(maxsize=64)
+def _metadata(hp_items):
+    """metadata() of a hyperparameter dict's items: a training loop passes the same ones every step."""
+    return metadata(dict(hp_items))
+
+
 def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True, validate=True,
-         defer_weight=False):
+         defer_weight=False, shape=None):
     """-> (dict of SPEC outputs as torch tensors on the inputs' device, dict of the 16-bit gradients' rounding
     residues: cuda only, for backward's scale_gradient, and with defer_weight where the plan allows it the pending
-    grad_weight GEMM (pending, workspace) for _device.finish_weight_gradient, else None)."""
+    grad_weight GEMM (pending, workspace) for _device.finish_weight_gradient, else None). shape: _check_dtypes's,
+    where the caller has checked the tensors."""
     if _input.is_cuda:
         # The targets' checks and the forward outputs on the device: the host never waits before the step (with
         # validate=False never at all). f16 plans its dz scale from the targets on the host.
-        out, info = _device.compute(_input, weight, target, bias, metadata(hp), gradients=gradients, grad_x=grad_x,
-                                    grad_weight=grad_weight, residues=gradients, validate=validate,
-                                    workspace_bytes=workspace_bytes, defer_weight=defer_weight,
-                                    forward_on_device=_input.dtype != torch.float16)
+        out, info = _device.compute(_input, weight, target, bias, dict(_metadata(tuple(hp.items()))),
+                                    gradients=gradients, grad_x=grad_x, grad_weight=grad_weight, residues=gradients,
+                                    validate=validate, workspace_bytes=workspace_bytes, defer_weight=defer_weight,
+                                    forward_on_device=_input.dtype != torch.float16, shape=shape)
         return out, info["residues"], info["deferred"]
     _device.check_tensors(_input, weight, target, bias)
     return _compute(_input.detach(), weight.detach(), target.detach(),
@@ -70,8 +79,9 @@ _AUX = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits
 
 
 def _check_dtypes(_input, weight, target, bias):
+    """check_tensors with a wrong or mixed dtype as TypeError; -> (B, T, H, V)."""
     try:
-        _device.check_tensors(_input, weight, target, bias)
+        return _device.check_tensors(_input, weight, target, bias)
     except InputError as e:
         if "dtype" in str(e):  # a wrong or mixed input dtype: torch's TypeError
             raise TypeError(f"simpo_verify.torch: {e}") from None
@@ -81,7 +91,7 @@ def _check_dtypes(_input, weight, target, bias):
 class _FusedLinearSimPOFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, _input, weight, target, bias, hp, workspace_bytes, validate):
-        _check_dtypes(_input, weight, target, bias)
+        shape = _check_dtypes(_input, weight, target, bias)
         # backward reads only the loss's gradient: the seven auxiliary outputs' are not filled with zeros for it.
         ctx.set_materialize_grads(False)
         # A frozen input (requires_grad False: LoRA's LM head, frozen hidden states) gets no gradient GEMM.
@@ -89,7 +99,7 @@ class _FusedLinearSimPOFunction(torch.autograd.Function):
         want_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
         gradients = want_x or want_weight
         out, residues, ctx.deferred = _run(_input, weight, target, bias, hp, gradients, workspace_bytes, want_x,
-                                           want_weight, validate, defer_weight=want_weight)
+                                           want_weight, validate, defer_weight=want_weight, shape=shape)
         ctx.hp, ctx.workspace_bytes, ctx.validate = hp, workspace_bytes, validate
         ctx.has_bias = bias is not None
         if gradients:
@@ -174,8 +184,8 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
     if not torch.is_grad_enabled():
         # no_grad / inference_mode (an evaluation loop): the forward-only schedule, one GEMM instead of three,
         # whatever requires_grad says (autograd.Function.forward cannot see the caller's grad mode).
-        _check_dtypes(_input, weight, target, bias)
-        out, _, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes, validate=validate)
+        shape = _check_dtypes(_input, weight, target, bias)
+        out, _, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes, validate=validate, shape=shape)
         return out["loss"], tuple(out[k] for k in _AUX)
     loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes, validate)
     return loss, tuple(aux)
