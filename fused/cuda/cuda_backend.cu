@@ -246,19 +246,6 @@ template <class F> decltype(auto) with_element_type(DType dtype, F&& f) {
   }
 }
 
-// The events that order the runner's stream after the caller's and the caller's after the runner's.
-struct StreamOrder {
-  cudaEvent_t ready = nullptr, done = nullptr;
-  StreamOrder() {
-    SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  }
-  ~StreamOrder() {
-    cudaEventDestroy(ready);
-    cudaEventDestroy(done);
-  }
-};
-
 // The gradient outputs compute_on_device gives the runner for a call (the DeviceGradients it builds), for its plan.
 GradientOutputs gradient_outputs(const DeviceCall& c) {
   const Options& o = c.options;
@@ -326,17 +313,12 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
   } release_workspace{runner, c.keep_workspace};
 
   // Everything below reads the inputs only after the caller's stream has produced them.
-  const StreamOrder order;
-  SIMPO_CUDA_CHECK(cudaEventRecord(order.ready, caller));
-  SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream, order.ready, 0));
+  runner.follow(caller);
   // The targets: read and checked by the host (SPEC's errors), or counted and checked on the device.
   const Problem targets = c.forward_on_device ? Problem{} : targets_problem(c, stream);
-  DeviceBuffer checked_targets;
   DeviceTargets on_device;
   if (c.forward_on_device) {
-    checked_targets = DeviceBuffer(static_cast<std::size_t>(device_targets_bytes(N, s.B)), "the checked targets",
-                                   stream);
-    on_device = device_targets_at(checked_targets.get(), N, s.B);
+    on_device = runner.device_targets(N, s.B);
     launch_device_targets(reinterpret_cast<const std::int64_t*>(c.target), s.B, s.T, V, c.hp.ignore_index,
                           c.hp.empty_sequence == EmptySequence::error, on_device, stream);
   }
@@ -425,15 +407,14 @@ DeviceResult compute_on_device(const DeviceCall& c, const Tuning& tuning) {
 
   // SPEC's NaN/Inf rule: the scan that names the element, only where the statistics are not finite.
   if (options.validate && !finite) {
-    ValueScan scan(c, order.ready);
+    ValueScan scan(c, runner.caller_ready());
     scan.join(stream);
     SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
     scan.check();
   }
   // The caller's later work waits for the outputs; the temporaries are freed only after the runner's stream is done
   // with them.
-  SIMPO_CUDA_CHECK(cudaEventRecord(order.done, stream));
-  SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, order.done, 0));
+  runner.precede(caller);
   if (!c.forward_on_device) SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (deferred_weight)
     result.pending.state = std::make_shared<PendingWeightGradient::State>(

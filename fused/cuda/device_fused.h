@@ -147,9 +147,20 @@ class FusedRunner {
 
   const RunReport& last_report() const { return report_; }
 
-  // Frees the workspace and the runner's accumulator (stream-ordered) and keeps the stream and cuBLAS handles: a
-  // runner kept between calls holds no scratch while idle; the next run allocates again, from the stream-ordered
-  // pool.
+  // A call's stream order: follow(caller) makes the runner's stream wait for the caller's work so far (the event is
+  // caller_ready(), for other streams that read the inputs); precede(caller) makes the caller's stream wait for
+  // the runner's work so far. The events are the runner's own, made once.
+  void follow(cudaStream_t caller);
+  void precede(cudaStream_t caller);
+  cudaEvent_t caller_ready() const { return caller_ready_; }
+
+  // The targets kernel's buffer (device_forward.h) for N rows and B sequences, the runner's, kept across calls
+  // (stream-ordered: the next call's targets kernel writes it only after this call's step has read it).
+  DeviceTargets device_targets(std::int64_t N, std::int64_t B);
+
+  // Frees the workspace, the runner's accumulator and its targets buffer (stream-ordered) and keeps the stream, the
+  // events and cuBLAS handles: a runner kept between calls holds no scratch while idle; the next run allocates
+  // again, from the stream-ordered pool.
   void release_workspace();
 
  private:
@@ -165,6 +176,8 @@ class FusedRunner {
   cudaEvent_t tokens_copied_ = nullptr;  // the last copy up from staging_ (whose bytes the next run rewrites)
   HostStaging verdict_;                   // a forward_out run's verdict, copied down
   cudaEvent_t verdict_ready_ = nullptr;   // recorded after that copy
+  cudaEvent_t caller_ready_ = nullptr, run_done_ = nullptr;  // follow() and precede()
+  DeviceBuffer targets_;                  // device_targets()
   DeviceBuffer workspace_;
   DeviceBuffer accumulator_;  // lo of the hi/lo pair, an fp32 grad_W or grad_x accumulator (StepPlan::accumulator_bytes)
   std::unique_ptr<Gemms> gemms_;

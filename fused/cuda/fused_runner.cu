@@ -547,15 +547,20 @@ FusedRunner::FusedRunner() {
   SIMPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_copied_, cudaEventDisableTiming));
   SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&verdict_ready_, cudaEventDisableTiming));
+  SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&caller_ready_, cudaEventDisableTiming));
+  SIMPO_CUDA_CHECK(cudaEventCreateWithFlags(&run_done_, cudaEventDisableTiming));
 }
 
 FusedRunner::~FusedRunner() {
   gemms_.reset();
   workspace_ = DeviceBuffer();  // its free is ordered on stream_, so before the stream goes
   accumulator_ = DeviceBuffer();
+  targets_ = DeviceBuffer();
   if (stream_) cudaStreamSynchronize(stream_);  // no copy still reads staging_ when it goes
   if (tokens_copied_) cudaEventDestroy(tokens_copied_);
   if (verdict_ready_) cudaEventDestroy(verdict_ready_);
+  if (caller_ready_) cudaEventDestroy(caller_ready_);
+  if (run_done_) cudaEventDestroy(run_done_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -577,6 +582,26 @@ void FusedRunner::copy_completion_tokens(const DeviceProblemOf<T>& p, std::int64
 void FusedRunner::release_workspace() {
   workspace_ = DeviceBuffer();
   accumulator_ = DeviceBuffer();
+  targets_ = DeviceBuffer();
+}
+
+void FusedRunner::follow(cudaStream_t caller) {
+  SIMPO_CUDA_CHECK(cudaEventRecord(caller_ready_, caller));
+  SIMPO_CUDA_CHECK(cudaStreamWaitEvent(stream_, caller_ready_, 0));
+}
+
+void FusedRunner::precede(cudaStream_t caller) {
+  SIMPO_CUDA_CHECK(cudaEventRecord(run_done_, stream_));
+  SIMPO_CUDA_CHECK(cudaStreamWaitEvent(caller, run_done_, 0));
+}
+
+DeviceTargets FusedRunner::device_targets(std::int64_t N, std::int64_t B) {
+  const auto bytes = static_cast<std::size_t>(device_targets_bytes(N, B));
+  if (targets_.bytes() < bytes) {
+    targets_ = DeviceBuffer();
+    targets_ = DeviceBuffer(bytes, "the checked targets", stream_);
+  }
+  return device_targets_at(targets_.get(), N, B);
 }
 
 // One allocation for all scratch, reused across runs of the same size; the cuBLAS handles are made once.

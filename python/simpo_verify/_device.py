@@ -6,6 +6,8 @@ allocator on the inputs' device, and the call is ordered on torch's current stre
 
 from __future__ import annotations
 
+import contextlib
+
 from . import _core
 from ._arrays import InputError
 
@@ -60,7 +62,7 @@ def check_tensors(x, weight, target, bias):
 
 def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_weight=True, residues=False,
             grad_f32=False, validate=True, workspace_bytes, max_chunk_rows=0, defer_weight=False,
-            forward_on_device=False, shape=None):
+            forward_on_device=False, shape=None, forward_views=False):
     """-> (outputs dict of torch tensors on x's device, info dict). Inputs: torch CUDA tensors.
 
     grad_x / grad_weight False: that gradient (grad_weight with grad_bias) is neither computed nor returned (a frozen
@@ -73,7 +75,9 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     forward outputs written there, so the host never waits before the step; with validate the call synchronizes
     once, on the forward's statistics, where SPEC's errors are raised as InputError; without it nothing
     synchronizes (the asynchronous call) and invalid targets give NaN outputs instead of InputError. shape: the
-    (B, T, H, V) check_tensors returned for these tensors, where the caller has checked them already."""
+    (B, T, H, V) check_tensors returned for these tensors, where the caller has checked them already.
+    forward_views (with forward_on_device): the eight forward outputs are views of one float32 buffer (one
+    allocation instead of eight), for callers whose outputs may alias one another (not a custom op's)."""
     import torch
 
     if not _core.has_device_entry():
@@ -110,12 +114,21 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
         "forward_on_device": forward_on_device,
     }
     forward = None
-    if forward_on_device:  # the eight forward outputs, each a tensor of its own (an op's outputs may not alias)
+    if forward_on_device:
         P = B // 2
-        forward = {name: torch.empty((P,) if name.endswith(("_logps", "_rewards")) else (), dtype=torch.float32,
-                                     device=dev) for name in _FORWARD_OUTPUTS}
+        shapes = [(P,) if name.endswith(("_logps", "_rewards")) else () for name in _FORWARD_OUTPUTS]
+        if forward_views:
+            packed = torch.empty(4 + 4 * P, dtype=torch.float32, device=dev)
+            forward, at = {}, 0
+            for name, s in zip(_FORWARD_OUTPUTS, shapes):
+                forward[name] = packed[at:at + (P if s else 1)].view(s)
+                at += P if s else 1
+        else:  # each a tensor of its own (an op's outputs may not alias)
+            forward = {name: torch.empty(s, dtype=torch.float32, device=dev) for name, s in zip(_FORWARD_OUTPUTS, shapes)}
         args["forward_out"] = [t.data_ptr() for t in forward.values()]
-    with torch.cuda.device(dev):
+    # On the inputs' device (the backend sets it for the call; torch's current device is put back after) unless it is
+    # the current one already.
+    with torch.cuda.device(dev) if dev.index is not None and dev.index != torch.cuda.current_device() else _NO_CONTEXT:
         args["stream"] = torch.cuda.current_stream(dev).cuda_stream
         # The deferred call's scratch, the pair's lo included, comes from torch's allocator and stays with its pending
         # GEMM until the finish (the runner frees its own for the call: never both).
@@ -140,6 +153,8 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
     deferred = (r["pending"], workspace) if r["pending"] is not None else None
     return out, dict(last_info, residues=lo, deferred=deferred)
 
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 # problem.h's order of the forward outputs (fused.h: DeviceCall::forward_out).
 _FORWARD_OUTPUTS = ("loss", "nll_loss", "chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean",

@@ -55,18 +55,20 @@ def _metadata(hp_items):
 
 
 def _run(_input, weight, target, bias, hp, gradients, workspace_bytes, grad_x=True, grad_weight=True, validate=True,
-         defer_weight=False, shape=None):
+         defer_weight=False, shape=None, forward_views=False):
     """-> (dict of SPEC outputs as torch tensors on the inputs' device, dict of the 16-bit gradients' rounding
     residues: cuda only, for backward's scale_gradient, and with defer_weight where the plan allows it the pending
     grad_weight GEMM (pending, workspace) for _device.finish_weight_gradient, else None). shape: _check_dtypes's,
-    where the caller has checked the tensors."""
+    where the caller has checked the tensors. forward_views: _device.compute's (outputs that are no autograd
+    Function's or op's)."""
     if _input.is_cuda:
         # The targets' checks and the forward outputs on the device: the host never waits before the step (with
         # validate=False never at all). f16 plans its dz scale from the targets on the host.
         out, info = _device.compute(_input, weight, target, bias, dict(_metadata(tuple(hp.items()))),
                                     gradients=gradients, grad_x=grad_x, grad_weight=grad_weight, residues=gradients,
                                     validate=validate, workspace_bytes=workspace_bytes, defer_weight=defer_weight,
-                                    forward_on_device=_input.dtype != torch.float16, shape=shape)
+                                    forward_on_device=_input.dtype != torch.float16, shape=shape,
+                                    forward_views=forward_views)
         return out, info["residues"], info["deferred"]
     _device.check_tensors(_input, weight, target, bias)
     return _compute(_input.detach(), weight.detach(), target.detach(),
@@ -185,7 +187,8 @@ def fused_linear_simpo(_input, weight, target, bias=None, ignore_index=-100, bet
         # no_grad / inference_mode (an evaluation loop): the forward-only schedule, one GEMM instead of three,
         # whatever requires_grad says (autograd.Function.forward cannot see the caller's grad mode).
         shape = _check_dtypes(_input, weight, target, bias)
-        out, _, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes, validate=validate, shape=shape)
+        out, _, _ = _run(_input, weight, target, bias, hp, False, workspace_bytes, validate=validate, shape=shape,
+                         forward_views=True)
         return out["loss"], tuple(out[k] for k in _AUX)
     loss, *aux = _FusedLinearSimPOFunction.apply(_input, weight, target, bias, hp, workspace_bytes, validate)
     return loss, tuple(aux)
