@@ -158,9 +158,8 @@ class ChunkedStep {
     }
   }
 
-  // Called once, as soon as every row's statistics exist: after the pair math of the last pair (a chunked
-  // step with gradients; the last chunk's backward still to come).
-  // statistics_known: walk()'s optional stage (the forward outputs, where the call writes them on the device).
+  // statistics_known: walk()'s optional stage, once every row's statistics exist (the forward outputs, where the
+  // call writes them on the device).
   Stages stages(std::function<void()> statistics_known) {
     return Stages{.forward = [this](const Chunk& c, bool keep) { forward(c, keep); },
                   .pair_math = [this](std::int64_t b, std::int64_t e) { pair_math(b, e); },
