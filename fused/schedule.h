@@ -85,7 +85,7 @@ struct Stages {
   std::function<void(const Chunk&)> backward;  // dz from the kept logits, the gradient GEMMs
   // Optional: called once, as soon as every row's statistics exist (the forward outputs need nothing more), while
   // the gradient work may still follow.
-  std::function<void()> statistics_known;
+  std::function<void()> statistics_known = nullptr;
 };
 void walk(const Schedule&, const Shape&, const Stages&);
 
