@@ -124,7 +124,8 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
                 forward[name] = packed[at:at + (P if s else 1)].view(s)
                 at += P if s else 1
         else:  # each a tensor of its own (an op's outputs may not alias)
-            forward = {name: torch.empty(s, dtype=torch.float32, device=dev) for name, s in zip(_FORWARD_OUTPUTS, shapes)}
+            forward = {name: torch.empty(s, dtype=torch.float32, device=dev)
+                       for name, s in zip(_FORWARD_OUTPUTS, shapes)}
         args["forward_out"] = [t.data_ptr() for t in forward.values()]
     # On the inputs' device (the backend sets it for the call; torch's current device is put back after) unless it is
     # the current one already.
