@@ -168,8 +168,10 @@ class FusedRunner {
   void bind_gemm_scratch(void* scratch, std::int64_t bytes);
   void* allocate_accumulator(std::size_t bytes, const char* purpose);
   RowStats download_row_stats(std::int64_t N, const float* lse, const float* z_target, const double* rowsum);
+  // Where the step reads n[b]: the device's targets kernel's counts where the call has them, else the host's,
+  // copied to `to` (the workspace's slot), which it returns.
   template <class T>
-  void copy_completion_tokens(const DeviceProblemOf<T>&, std::int64_t* to);
+  const std::int64_t* completion_tokens(const DeviceProblemOf<T>&, std::int64_t* to);
 
   cudaStream_t stream_ = nullptr;
   HostStaging staging_;              // the token counts up, the row statistics down

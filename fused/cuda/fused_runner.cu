@@ -54,15 +54,13 @@ T* at(char* base, std::int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
-// The row statistics and per-sequence arrays every schedule keeps for the whole run (the plan's fixed layout).
-// The completion-token counts are read where the device's targets kernel left them, else from the workspace
-// (FusedRunner::copy_completion_tokens puts the host's there).
+// The row statistics and per-sequence arrays every schedule keeps for the whole run (the plan's fixed layout), made
+// once per run by FusedRunner::run. completion_tokens: where the step reads n[b] (FusedRunner::completion_tokens).
 struct RowArrays {
   float *row_max, *lse, *z_target, *z_target_raw, *target_coef;
   double *rowsum, *avg_grad;
   const std::int64_t* completion_tokens;
-  template <class T>
-  RowArrays(char* base, const Layout& l, const DeviceProblemOf<T>& p)
+  RowArrays(char* base, const Layout& l, const std::int64_t* completion_tokens)
       : row_max(at<float>(base, l.row_max)),
         lse(at<float>(base, l.lse)),
         z_target(at<float>(base, l.z_target)),
@@ -70,8 +68,7 @@ struct RowArrays {
         target_coef(at<float>(base, l.target_coef)),
         rowsum(at<double>(base, l.rowsum)),
         avg_grad(at<double>(base, l.avg_grad)),
-        completion_tokens(p.on_device.completion_tokens ? p.on_device.completion_tokens
-                                                        : at<std::int64_t>(base, l.completion_tokens)) {}
+        completion_tokens(completion_tokens) {}
 };
 
 template <class T>
@@ -118,13 +115,13 @@ class ChunkedStep {
   static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
 
  public:
-  ChunkedStep(const DeviceProblemOf<T>& p, const DeviceGradientsOf<T>* g, const StepPlan& plan, char* base, Gemms& gemms,
-              void* accumulator, cudaStream_t stream, HiLoChunk* deferred)
+  ChunkedStep(const DeviceProblemOf<T>& p, const DeviceGradientsOf<T>* g, const StepPlan& plan, char* base,
+              const RowArrays& rows, Gemms& gemms, void* accumulator, cudaStream_t stream, HiLoChunk* deferred)
       : p_(p),
         g_(g),
         plan_(plan),
         l_(plan.layout),
-        rows_(base, plan.layout, p),
+        rows_(rows),
         gemm_scratch_(base + plan.layout.gemm),
         gemms_(gemms),
         stream_(stream),
@@ -442,14 +439,14 @@ class ChunkedStep {
 //      grad_W[v0, v1) (+)= dz^T x[r0, r1) (the fp32 output's rows, or the workspace's slice buffer); after the
 //      slice's last block its grad_W rows get their target term and are rounded into a bf16 output, and after
 //      the last slice grad_x is finished as in the other schedules (target term, one rounding).
-void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const StepPlan& plan, char* base, Gemms& gemms,
-                    float* grad_x_sum, cudaStream_t stream, const std::function<void()>& statistics_known) {
+void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const StepPlan& plan, char* base,
+                    const RowArrays& rows, Gemms& gemms, float* grad_x_sum, cudaStream_t stream,
+                    const std::function<void()>& statistics_known) {
   const Shape& s = p.shape;
   const Hyperparameters& hp = p.hp;
   const std::int64_t N = s.N(), P = s.P(), V = s.V, H = s.H, ld_h = p.ld_h, tiles = statistics_tiles(V);
   const SlicedLayout& l = plan.sliced;
   const std::int64_t C = l.slice_columns, R = l.block_rows;
-  const RowArrays rows(base, plan.layout, p);
   void* gemm_scratch = base + plan.layout.gemm;
   const auto gemm_bytes = static_cast<std::size_t>(plan.layout.gemm_bytes);
   const std::int64_t promotion_k = plan.logits.promotion_k;
@@ -565,10 +562,10 @@ FusedRunner::~FusedRunner() {
 
 // The host's completion-token counts into the workspace, before any stage reads them (the pair math), through
 // staging_. The staged bytes are rewritten only once the last run's copy of them has happened. Counts already on
-// the device (the targets kernel's) are read where they are (RowArrays): no copy.
+// the device (the targets kernel's) are read where they are: no copy.
 template <class T>
-void FusedRunner::copy_completion_tokens(const DeviceProblemOf<T>& p, std::int64_t* to) {
-  if (p.on_device.completion_tokens != nullptr) return;
+const std::int64_t* FusedRunner::completion_tokens(const DeviceProblemOf<T>& p, std::int64_t* to) {
+  if (p.on_device.completion_tokens != nullptr) return p.on_device.completion_tokens;
   const std::size_t bytes = static_cast<std::size_t>(p.shape.B) * 8;
   SIMPO_CUDA_CHECK(cudaEventSynchronize(tokens_copied_));
   // Room for download_row_stats too, so that it never reallocates under this copy.
@@ -576,6 +573,7 @@ void FusedRunner::copy_completion_tokens(const DeviceProblemOf<T>& p, std::int64
   std::memcpy(staged, p.targets.n.data(), bytes);
   SIMPO_CUDA_CHECK(cudaMemcpyAsync(to, staged, bytes, cudaMemcpyHostToDevice, stream_));
   SIMPO_CUDA_CHECK(cudaEventRecord(tokens_copied_, stream_));
+  return to;
 }
 
 void FusedRunner::release_workspace() {
@@ -680,8 +678,7 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
                                              : nullptr;
     base = allocate_workspace(plan.layout, plan.workspace_bytes);
   }
-  const RowArrays rows(base, plan.layout, p);
-  copy_completion_tokens(p, at<std::int64_t>(base, plan.layout.completion_tokens));
+  const RowArrays rows(base, plan.layout, completion_tokens(p, at<std::int64_t>(base, plan.layout.completion_tokens)));
   report_.deferred_weight = deferred != nullptr && plan.defers_weight_finish();
   // With forward_out: the forward outputs and, for a validated call, the verdict (the device's checks, copied into
   // pinned memory), as soon as every row's statistics exist, so that verdict() returns while the gradient work may
@@ -703,9 +700,10 @@ RowStats FusedRunner::run(const DeviceProblemOf<T>& p, const std::type_identity_
   };
   if (plan.low_memory) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>)  // the plan picks it only where the promoted GEMM runs
-      run_low_memory(p, *g, plan, base, *gemms_, static_cast<float*>(accumulator), stream_, forward_outputs);
+      run_low_memory(p, *g, plan, base, rows, *gemms_, static_cast<float*>(accumulator), stream_, forward_outputs);
   } else {
-    ChunkedStep<T> step(p, g, plan, base, *gemms_, accumulator, stream_, report_.deferred_weight ? deferred : nullptr);
+    ChunkedStep<T> step(p, g, plan, base, rows, *gemms_, accumulator, stream_,
+                        report_.deferred_weight ? deferred : nullptr);
     step.prologue();
     walk(plan.schedule, p.shape, step.stages(forward_outputs));
     step.epilogue();
