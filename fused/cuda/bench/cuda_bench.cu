@@ -87,7 +87,9 @@ int main(int argc, char** argv) {
                                              "cannot hold one pair's rows)")
       ->check(CLI::IsMember({"always", "never", "auto"}))
       ->capture_default_str();
-  app.add_flag("--kernels", kernels, "after each B's row, 3 full steps and 3 forwards kernel by kernel (CUPTI)");
+  app.add_flag("--kernels", kernels,
+               "after each B's row, 3 full steps, 3 forwards and 3 rounds of full step and floor in turns, kernel by "
+               "kernel (CUPTI)");
   app.add_flag("--block-timing", block_timing, "each body's repetitions back to back instead of in turns");
   CLI11_PARSE(app, argc, argv);
   if (fp32_logits) logit_distances = false;
@@ -229,7 +231,6 @@ int main(int argc, char** argv) {
       }
       const Timing full = full_pair[0], floor_full = full_pair[1], forward = fwd_pair[0], floor_fwd = fwd_pair[1];
       SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
-      cublasDestroy(blas);
       Timing f32_fwd, f32_full;
       {
         Gemms gemms(stream, gemm_ws.get(), gemm_ws.bytes());
@@ -271,7 +272,19 @@ int main(int argc, char** argv) {
           trace.stop();
           trace.print(stdout, steps);
         }
+        // The full step in turns with its floor, as it was timed above: the same kernels' durations beside the
+        // floor's GEMMs (clocks and caches as the ratio saw them), the floor's cuBLAS kernels listed with them.
+        std::printf("     full step and floor in turns, kernel by kernel:\n");
+        KernelTrace trace;
+        for (int i = 0; i < steps; ++i) {
+          fused_step();
+          floor_step();
+        }
+        SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));
+        trace.stop();
+        trace.print(stdout, steps);
       }
+      cublasDestroy(blas);  // the floor's handle: timed above, traced in turns with the step just now
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {
