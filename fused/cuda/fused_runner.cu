@@ -54,6 +54,13 @@ T* at(char* base, std::int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
+// Rows [0, rows) in launches of at most `most` rows (0: one launch): launch(first row, rows of this launch).
+template <class Launch>
+void launches(std::int64_t rows, std::int64_t most, Launch&& launch) {
+  const std::int64_t step = most > 0 ? most : rows;
+  for (std::int64_t o = 0; o < rows; o += step) launch(o, std::min(step, rows - o));
+}
+
 // The row statistics and per-sequence arrays every schedule keeps for the whole run (the plan's fixed layout), made
 // once per run by FusedRunner::run. completion_tokens: where the step reads n[b] (FusedRunner::completion_tokens).
 struct RowArrays {
@@ -355,11 +362,12 @@ class ChunkedStep {
 
   // The promoted GEMM with the statistics (and, with `distances`, the stored distances) in its epilogue: one GEMM
   // over the chunk's rows where they are contiguous or gathered (x_chunk; LogitTileStats::split maps its second
-  // part's rows), else one per part. Then each part's tile partials are merged into its rows' statistics.
+  // part's rows), else one per part; with statistics only, in launches of at most statistics_launch_rows rows.
+  // Then each part's tile partials are merged into its rows' statistics.
   void logits_from_epilogue(const Chunk& c, bool with_stats, bool distances, const T* x_chunk) {
     const std::int64_t V = p_.shape.V, ld_h = p_.ld_h;
-    auto gemm = [&](const __nv_bfloat16* x, std::int64_t rows, std::int64_t offset, std::int64_t begin,
-                    std::int64_t split, std::int64_t second) {
+    auto launch = [&](const __nv_bfloat16* x, std::int64_t rows, std::int64_t offset, std::int64_t begin,
+                      std::int64_t split, std::int64_t second) {
       LogitTileStats out;
       out.bias = p_.bias;
       out.target = p_.target + begin;
@@ -378,6 +386,13 @@ class ChunkedStep {
       else
         promoted_logits_stats(rows, V, ld_h, x, p_.weight, plan_.logits.promotion_k, out, stream_, gemm_scratch_,
                               static_cast<std::size_t>(l_.gemm_bytes));
+    };
+    auto gemm = [&](const __nv_bfloat16* x, std::int64_t rows, std::int64_t offset, std::int64_t begin,
+                    std::int64_t split, std::int64_t second) {
+      // A launch from row o on maps its rows past split - o (negative once o passes split) to the second part.
+      launches(rows, distances ? 0 : plan_.logits.statistics_launch_rows, [&](std::int64_t o, std::int64_t n) {
+        launch(x + o * ld_h, n, offset + o, begin + o, split - o, second);
+      });
     };
     const RowRange& first = c.parts[0];
     if (c.part_count == 1) {
@@ -475,9 +490,16 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
       out.tile_max = tile_max;
       out.tile_sum_exp = tile_sum_exp;
       out.tile_sum = tile_sum;
-      out.z_target = rows.z_target_raw + part.begin;
-      promoted_logits_stats(part.rows(), V, ld_h, p.x + part.begin * ld_h, p.weight, promotion_k, out, stream,
-                            gemm_scratch, gemm_bytes);
+      launches(part.rows(), plan.logits.statistics_launch_rows, [&](std::int64_t o, std::int64_t n) {
+        LogitTileStats piece = out;
+        piece.target += o;
+        piece.tile_max += o;
+        piece.tile_sum_exp += o;
+        piece.tile_sum += o;
+        piece.z_target = rows.z_target_raw + part.begin + o;
+        promoted_logits_stats(n, V, ld_h, p.x + (part.begin + o) * ld_h, p.weight, promotion_k, piece, stream,
+                              gemm_scratch, gemm_bytes);
+      });
       const TileStatsRows partials{tile_max, tile_sum_exp, tile_sum, l.stat_rows, tiles, part.rows(), part.begin,
                                    rows.z_target_raw, p.target, hp.ignore_index};
       launch_merge_tile_stats(partials, rows.row_max, rows.lse, rows.z_target, rows.rowsum, stream);

@@ -160,7 +160,11 @@ std::string StepPlan::to_string() const {
 
 std::string StepPlan::logits_form() const {
   if (!logits.promoted) return "cuBLAS, k in " + std::to_string(logits.k_splits) + " slice(s)";
-  return "promoted GEMM every " + std::to_string(logits.promotion_k) + " k, full step keeps " +
+  return "promoted GEMM every " + std::to_string(logits.promotion_k) + " k" +
+         (logits.statistics_launch_rows > 0
+              ? ", statistics over <= " + std::to_string(logits.statistics_launch_rows) + " rows a launch"
+              : "") +
+         ", full step keeps " +
          (logit_distances() ? "16-bit logit distances" : "fp32 logits");
 }
 
@@ -180,6 +184,7 @@ LogitsGemm logits_gemm(std::int64_t H, DType input, const Options& options, cons
   if (slice > 0 && device.sm90_kernels && input == DType::BF16 && !tuning.cublas_logits) {
     g.promoted = true;
     g.promotion_k = std::max(promotion_k_granule, slice / promotion_k_granule * promotion_k_granule);
+    g.statistics_launch_rows = std::max<std::int64_t>(0, tuning.statistics_launch_rows);
     g.k_splits = static_cast<int>((padded(H) + g.promotion_k - 1) / g.promotion_k);
   } else {
     g.k_splits = slice > 0 ? static_cast<int>(std::max<std::int64_t>(1, (H + slice - 1) / slice)) : 1;

@@ -53,6 +53,11 @@ struct Tuning {
   // automatic: the low-memory schedule where it can run and the budget cannot hold one pair's rows; always:
   // wherever it can run; never: the two_pass fallback.
   enum class LowMemory { automatic, always, never } low_memory = LowMemory::automatic;
+  // The promoted GEMM's rows per launch where it keeps only the row statistics (the forward, the low-memory
+  // statistics pass): at most this many (0: a chunk's part per launch), so that the launch's x rows stay in L2
+  // beside the weight it streams. Where it also stores the chunk's distances, one launch per chunk measured as fast
+  // (BENCHMARKS.md).
+  std::int64_t statistics_launch_rows = 2048;
 };
 
 // The bytes of a step's workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that
@@ -96,6 +101,7 @@ struct SlicedLayout {
 struct LogitsGemm {
   bool promoted = false;
   std::int64_t promotion_k = 0;  // promoted: k per promotion, a multiple of promotion_k_granule
+  std::int64_t statistics_launch_rows = 0;  // promoted: Tuning::statistics_launch_rows
   int k_splits = 1;
 };
 LogitsGemm logits_gemm(std::int64_t H, DType input, const Options&, const DeviceFeatures&, const Tuning& = {});

@@ -53,7 +53,9 @@ TEST(CudaPlan, PublishedStepOnHopper) {
   expect_regions_disjoint(plan);
   expect_rows_covered(plan, published);
   // What the main job's header line says of a Hopper device (fused::describe).
-  EXPECT_EQ(plan.logits_form(), "promoted GEMM every 256 k, full step keeps 16-bit logit distances");
+  EXPECT_EQ(plan.logits_form(),
+            "promoted GEMM every 256 k, statistics over <= 2048 rows a launch, full step keeps 16-bit logit "
+            "distances");
   EXPECT_EQ(plan.grad_weight_form(), "bf16 hi/lo pair");
 }
 

@@ -79,6 +79,14 @@ int main(int argc, char** argv) {
                  "also time the step with this logits_k_slice in turns with this run's, and print their ratio "
                  "(a kernel variant against the default in one process: -1, off)")
       ->capture_default_str();
+  app.add_option("--statistics-launch-rows", tuning.statistics_launch_rows,
+                 "Tuning::statistics_launch_rows: the statistics GEMM's rows per launch at most (0: a chunk's part)")
+      ->capture_default_str();
+  std::int64_t against_statistics_launch_rows = -1;
+  app.add_option("--against-statistics-launch-rows", against_statistics_launch_rows,
+                 "also time the step with this statistics_launch_rows in turns with this run's, and print their ratio "
+                 "(-1, off)")
+      ->capture_default_str();
   app.add_flag("--cublas-logits", tuning.cublas_logits, "the logits through cuBLAS even where the promoted GEMM runs");
   bool logit_distances = Options{}.logit_distances;
   app.add_flag("--logit-distances", logit_distances, "the full step keeps 16-bit logit distances");
@@ -210,24 +218,33 @@ int main(int argc, char** argv) {
                                                                time_it(stream, warmup, reps, floor_logits)}
                                          : time_interleaved(stream, warmup, reps, {fused_forward, floor_logits});
       const std::string forward_schedule = runner.last_report().schedule.to_string();
-      // --against-logits-k-slice: the other interval's step and forward in turns with this one's (same runner,
-      // inputs and outputs; the interval changes no buffer), so their ratio is free of the drift between runs.
+      // --against-logits-k-slice / --against-statistics-launch-rows: the other setting's step and forward in turns with
+      // this one's (same runner, inputs and outputs; neither changes a buffer), so their ratio is free of the drift
+      // between runs.
       std::string against;
+      auto time_against = [&](const char* name, std::int64_t value, const Options& full_options,
+                              const Options& fwd_options, const Tuning& other) {
+        const auto ab_full = time_interleaved(
+            stream, warmup, reps, {fused_step, [&] { runner.run(problem, &gradients, full_options, other); }});
+        const auto ab_fwd = time_interleaved(
+            stream, warmup, reps, {fused_forward, [&] { runner.run(problem, nullptr, fwd_options, other); }});
+        char line[256];
+        std::snprintf(line, sizeof line,
+                      "     in turns, %s %lld against this: forward %.3f / %.3f ms = %.4f, full %.3f / %.3f ms = %.4f\n",
+                      name, (long long)value, ab_fwd[1].median_ms, ab_fwd[0].median_ms,
+                      ab_fwd[1].median_ms / ab_fwd[0].median_ms, ab_full[1].median_ms, ab_full[0].median_ms,
+                      ab_full[1].median_ms / ab_full[0].median_ms);
+        against += line;
+      };
       if (against_k_slice >= 0) {
         Options other = options, other_forward = forward_options;
         other.logits_k_slice = other_forward.logits_k_slice = against_k_slice;
-        const auto ab_full = time_interleaved(
-            stream, warmup, reps, {fused_step, [&] { runner.run(problem, &gradients, other, tuning); }});
-        const auto ab_fwd = time_interleaved(
-            stream, warmup, reps, {fused_forward, [&] { runner.run(problem, nullptr, other_forward, tuning); }});
-        char line[256];
-        std::snprintf(line, sizeof line,
-                      "     in turns, logits_k_slice %lld against this: forward %.3f / %.3f ms = %.4f, full %.3f / "
-                      "%.3f ms = %.4f\n",
-                      (long long)against_k_slice, ab_fwd[1].median_ms, ab_fwd[0].median_ms,
-                      ab_fwd[1].median_ms / ab_fwd[0].median_ms, ab_full[1].median_ms, ab_full[0].median_ms,
-                      ab_full[1].median_ms / ab_full[0].median_ms);
-        against = line;
+        time_against("logits_k_slice", against_k_slice, other, other_forward, tuning);
+      }
+      if (against_statistics_launch_rows >= 0) {
+        Tuning other = tuning;
+        other.statistics_launch_rows = against_statistics_launch_rows;
+        time_against("statistics_launch_rows", against_statistics_launch_rows, options, forward_options, other);
       }
       const Timing full = full_pair[0], floor_full = full_pair[1], forward = fwd_pair[0], floor_fwd = fwd_pair[1];
       SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));

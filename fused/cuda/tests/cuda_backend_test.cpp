@@ -1090,6 +1090,33 @@ TEST(CudaBackendSchedules, WorkspaceStaysInsideTheBudget) {
     }
 }
 
+// The statistics GEMM over a part's rows in launches (Tuning::statistics_launch_rows): a logit's k-sum does not depend
+// on the launch it is in, so the step in launches of 64 rows is the step in one launch per part bit for bit: the
+// forward's chunks, the low-memory schedule's statistics pass, and (unchanged) the full step.
+TEST(CudaBackendSchedules, StatisticsInLaunchesOfFewRowsAreBitIdentical) {
+  SKIP_WITHOUT_DEVICE();
+  if (!cuda::promoted_stats_available())
+    GTEST_SKIP() << "the promoted GEMM needs the CUTLASS build and compute capability 9.0";
+  CaseSpec spec = spec_of({.B = 4, .T = 100, .H = 96, .V = 1000}, 30.0, 62);
+  spec.bias = true;
+  spec.ignore = IgnorePattern::random;
+  const Problem problem = generate(spec);
+  using LowMemory = cuda::Tuning::LowMemory;
+  for (const LowMemory low_memory : {LowMemory::automatic, LowMemory::always})
+    for (const bool gradients : {true, false}) {
+      Options options = cuda_options();
+      options.gradients = gradients;
+      if (low_memory == LowMemory::always) options.workspace_bytes = std::int64_t{1} << 20;
+      cuda::Tuning whole{.low_memory = low_memory, .statistics_launch_rows = 0}, in_launches = whole;
+      in_launches.statistics_launch_rows = 64;
+      const TensorMap one = cuda::compute(problem, options, whole), many = cuda::compute(problem, options, in_launches);
+      SCOPED_TRACE(std::string(low_memory == LowMemory::always ? "low-memory" : "chunked") +
+                   (gradients ? ", full step" : ", forward only"));
+      ASSERT_EQ(one.size(), many.size());
+      for (const auto& [name, t] : one) EXPECT_EQ(many.at(name).bytes, t.bytes) << name;
+    }
+}
+
 // The low-memory schedule (Tuning::low_memory): statistics from the epilogue, then the backward a tile (a
 // vocabulary slice by a block of rows) at a time, its dz from the recomputing GEMM's epilogue where V % 8 == 0
 // (promoted_dz.h) and from dz_kernel over fp32 tile logits otherwise. With a 1 MiB budget: V = 1000 two slices of
