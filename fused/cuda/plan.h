@@ -150,8 +150,9 @@ struct StepPlan {
 
   bool logit_distances() const { return kept == Kept::distances; }
   std::string to_string() const;  // the schedule and its forms, for logs, reports and errors
-  // The kernels, for reports: how the logits GEMM runs ("promoted GEMM every 256 k, full step keeps 16-bit logit
-  // distances", "cuBLAS, k in 16 slice(s)") and where grad_W accumulates ("bf16 hi/lo pair", "fp32 accumulator").
+  // The kernels, for reports: how the logits GEMM runs ("promoted GEMM every 256 k, statistics over <= 2048 rows a
+  // launch, full step keeps 16-bit logit distances", "cuBLAS, k in 16 slice(s)") and where grad_W accumulates
+  // ("bf16 hi/lo pair", "fp32 accumulator").
   std::string logits_form() const;
   std::string grad_weight_form() const;
 
