@@ -9,13 +9,18 @@
 //   D[m, n] = bf16(s (sum_r dz[r, m] x[r, n] + T[map[m], n]))      (T's term 0 where map[m] < 0)
 //
 // by a visitor node of its own (Sm90RowMappedTerms: per element a map lookup, and a load of T on the few rows that
-// have one). The same node would let the last chunk of a multi-chunk step store hi alone. This times, in turns, on a
-// chunk's shape (M = V = 128256 rows of grad_W, N = H = 4096, K = --rows token rows):
-//   floor:      cuBLAS, dz^T x into bf16 (the step's floor GEMM)
-//   hi/lo:      the hi/lo GEMM of a first chunk (stores hi and lo: today's one-chunk step, before its target term)
-//   mapped:     the hi/lo GEMM's mainloop (128x256x64 cooperative) with the mapped-term epilogue, bf16 out
-// First it checks mapped against cuBLAS's fp32 GEMM with T added and rounded once by a plain kernel (the two fp32 sums
-// differ only in order: at most one bf16 ulp apart), on every element.
+// have one). The same node lets the last chunk of a multi-chunk step store hi alone, its lo never written:
+//
+//   hi[m, n] = bf16(s (sum_r dz[r, m] x[r, n] + hi[m, n] + lo[m, n] + T[map[m], n]))
+//
+// This times, in turns, on a chunk's shape (M = V = 128256 rows of grad_W, N = H = 4096, K = --rows token rows):
+//   floor:       cuBLAS, dz^T x into bf16 (the step's floor GEMM)
+//   hi/lo first: the hi/lo GEMM of a first chunk (stores hi and lo: today's one-chunk step, before its target term)
+//   mapped:      the hi/lo GEMM's mainloop (128x256x64 cooperative) with the mapped-term epilogue, bf16 out
+//   hi/lo later: the hi/lo GEMM of a later chunk (reads the pair, stores both: today's last chunk)
+//   last:        the same mainloop reading the pair, adding the mapped terms, storing hi alone
+// First it checks mapped and last against cuBLAS's fp32 GEMM with the pair and T added and rounded once by a plain
+// kernel (the fp32 sums differ only in order: at most one bf16 ulp apart), on every element.
 //   target_term_epilogue [--rows K] [--reps N]
 #include "fused/cuda/bench/interleaved_timing.cuh"
 #include "fused/cuda/bench/random_fill.cuh"
@@ -172,16 +177,82 @@ struct MappedGemm {
   }
 };
 
-// The check's reference: bf16(sum + T[map[m]]) from cuBLAS's fp32 sum, and the count of elements of `got` more than
-// one bf16 ulp from it.
-__global__ void count_beyond_one_ulp(const float* sum, const int* map, const float* terms, std::int64_t ld_terms,
+// The last chunk: the pair read (lo as C, hi through an aux load, as in hilo_gemm.cu), the mapped terms added, hi
+// stored in place (D) and lo not at all.
+struct LastChunkGemm {
+  using Element = cutlass::bfloat16_t;
+  using TileShape = MappedGemm::TileShape;
+  using Cluster = MappedGemm::Cluster;
+  using Layout = cutlass::layout::RowMajor;
+  using Schedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  using Descriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, Schedule>;
+  using HiDescriptor = cutlass::epilogue::collective::detail::AuxLoadDescriptor<Descriptor, Layout, Element>;
+  using HiLoad = fusion::Sm90AuxLoad<HiDescriptor::Stages, typename Descriptor::EpilogueTile, Element,
+                                     typename HiDescriptor::Stride, typename HiDescriptor::SmemLayoutAtom,
+                                     typename HiDescriptor::CopyOpS2R>;
+  using Plus = fusion::Sm90Compute<cutlass::plus, float, float, kRound>;
+  using AccHi = fusion::Sm90EVT<Plus, fusion::Sm90AccFetch, HiLoad>;
+  using LoTerms = fusion::Sm90EVT<Plus, fusion::Sm90SrcFetch<Element>, Sm90RowMappedTerms<float>>;
+  using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, Element, float, kRound>,
+                                    fusion::Sm90ScalarBroadcast<float>, fusion::Sm90EVT<Plus, AccHi, LoTerms>>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, 8, Element, Layout, 8, Schedule,
+      Callbacks>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
+      cutlass::layout::RowMajor, 8, float, TileShape, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static void run(int K, int M, int N, const void* dz, int ld_dz, const void* x, int ld_x, const int* map,
+                  const float* terms, std::int64_t ld_terms, float scale, void* hi, void* lo, int ld_w) {
+    using namespace cute;
+    typename Mainloop::StrideA sa{Int<1>{}, ld_dz, 0};
+    typename Mainloop::StrideB sb{Int<1>{}, ld_x, 0};
+    typename Epilogue::StrideD sw{ld_w, Int<1>{}, 0};
+    typename HiDescriptor::Stride s_hi{ld_w, Int<1>{}, 0};
+    cutlass::KernelHardwareInfo hw{0, cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0)};
+    typename Gemm::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+    args.problem_shape = {M, N, K, 1};
+    args.mainloop = {static_cast<const Element*>(dz), sa, static_cast<const Element*>(x), sb};
+    // {scale, {{acc, hi}, {lo, terms}, plus}, multiplies}
+    args.epilogue.thread = {{{scale}},
+                            {{{}, {static_cast<const Element*>(hi), Element(0), s_hi}, {}},
+                             {{}, {map, terms, ld_terms}, {}},
+                             {}},
+                            {}};
+    args.epilogue.ptr_C = static_cast<const Element*>(lo);
+    args.epilogue.dC = sw;
+    args.epilogue.ptr_D = static_cast<Element*>(hi);
+    args.epilogue.dD = sw;
+    args.hw_info = hw;
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess || gemm.initialize(args, nullptr) != cutlass::Status::kSuccess ||
+        gemm.run() != cutlass::Status::kSuccess)
+      throw CudaError("last-chunk CUTLASS GEMM failed");
+  }
+};
+
+// The check's reference: bf16(sum + hi + lo + T[map[m]]) from cuBLAS's fp32 sum (hi and lo: the pair before the
+// call, null for none), and the count of elements of `got` more than one bf16 ulp from it.
+__global__ void count_beyond_one_ulp(const float* sum, const __nv_bfloat16* hi, const __nv_bfloat16* lo,
+                                     const int* map, const float* terms, std::int64_t ld_terms,
                                      const __nv_bfloat16* got, std::int64_t M, std::int64_t N,
                                      unsigned long long* beyond) {
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < M * N;
        i += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int64_t m = i / N, n = i % N;
     const int row = map[m];
-    const float want = __bfloat162float(__float2bfloat16_rn(sum[i] + (row < 0 ? 0.0f : terms[row * ld_terms + n])));
+    const float pair = hi == nullptr ? 0.0f : __bfloat162float(hi[i]) + __bfloat162float(lo[i]);
+    const float want =
+        __bfloat162float(__float2bfloat16_rn(sum[i] + pair + (row < 0 ? 0.0f : terms[row * ld_terms + n])));
     const float have = __bfloat162float(got[i]);
     if (fabsf(have - want) > ldexpf(fabsf(want), -7) + 1e-30f) atomicAdd(beyond, 1ull);
   }
@@ -205,7 +276,7 @@ int main(int argc, char** argv) {
     std::printf("device: %s\n", prop.name);
     const std::int64_t V = 128256, H = 4096;
     DeviceBuffer dz(std::size_t(K) * V * 2, "dz"), x(std::size_t(K) * H * 2, "x");
-    DeviceBuffer hi(std::size_t(V) * H * 2, "hi"), lo(std::size_t(V) * H * 2, "lo");
+    DeviceBuffer hi(std::size_t(V) * H * 2, "hi"), lo(std::size_t(V) * H * 2, "lo"), hi_before(hi.bytes(), "hi kept");
     DeviceBuffer out(std::size_t(V) * H * 2, "bf16 out"), sum(std::size_t(V) * H * 4, "cuBLAS fp32 sum");
     DeviceBuffer terms(std::size_t(K) * H * 4, "target terms"), map(std::size_t(V) * 4, "map");
     DeviceBuffer blas_ws(std::size_t{32} << 20, "cuBLAS workspace"), beyond(8, "count");
@@ -241,32 +312,48 @@ int main(int argc, char** argv) {
       MappedGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), map.as<int>(), terms.as<float>(), H,
                       1.0f, out.get(), int(H));
     };
-    auto hilo_first_chunk = [&] {
+    auto hilo_chunk = [&](bool overwrite) {
       hilo_accumulate_grad_weight(K, V, H, dz.as<__nv_bfloat16>(), V, x.as<__nv_bfloat16>(), H,
-                                  hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), H, /*overwrite=*/true, Scale{},
-                                  nullptr, nullptr, 0);
+                                  hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), H, overwrite, Scale{}, nullptr,
+                                  nullptr, 0);
+    };
+    auto last = [&] {
+      LastChunkGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), map.as<int>(), terms.as<float>(),
+                         H, 1.0f, hi.get(), lo.get(), int(H));
+    };
+    // Every element of `got` within one bf16 ulp of bf16(sum + pair + T); the pair as it was before (null: none).
+    auto check = [&](const char* what, const void* got, const void* pair_hi, const void* pair_lo) {
+      SIMPO_CUDA_CHECK(cudaMemset(beyond.get(), 0, 8));
+      count_beyond_one_ulp<<<4096, 256>>>(sum.as<float>(), static_cast<const __nv_bfloat16*>(pair_hi),
+                                          static_cast<const __nv_bfloat16*>(pair_lo), map.as<int>(), terms.as<float>(),
+                                          H, static_cast<const __nv_bfloat16*>(got), V, H,
+                                          beyond.as<unsigned long long>());
+      SIMPO_CUDA_CHECK_LAUNCH();
+      unsigned long long host_beyond = 0;
+      SIMPO_CUDA_CHECK(cudaMemcpy(&host_beyond, beyond.get(), 8, cudaMemcpyDeviceToHost));
+      std::printf("check %s: %llu of %lld elements more than one bf16 ulp from the reference (%lld mapped rows): %s\n",
+                  what, host_beyond, (long long)(V * H), (long long)mapped_rows, host_beyond == 0 ? "ok" : "FAILED");
+      return host_beyond == 0;
     };
 
     cublas_gemm(sum.get(), CUDA_R_32F);
     mapped();
-    SIMPO_CUDA_CHECK(cudaMemset(beyond.get(), 0, 8));
-    count_beyond_one_ulp<<<4096, 256>>>(sum.as<float>(), map.as<int>(), terms.as<float>(), H, out.as<__nv_bfloat16>(),
-                                        V, H, beyond.as<unsigned long long>());
-    SIMPO_CUDA_CHECK_LAUNCH();
-    unsigned long long host_beyond = 0;
-    SIMPO_CUDA_CHECK(cudaMemcpy(&host_beyond, beyond.get(), 8, cudaMemcpyDeviceToHost));
-    std::printf("check: %llu of %lld elements more than one bf16 ulp from bf16(cuBLAS's fp32 sum + T) (%lld mapped "
-                "rows): %s\n",
-                host_beyond, (long long)(V * H), (long long)mapped_rows, host_beyond == 0 ? "ok" : "FAILED");
-    if (host_beyond != 0) return 1;
+    if (!check("mapped", out.get(), nullptr, nullptr)) return 1;
+    // A pair as a first chunk leaves it (random values of the size of one chunk's sum), kept to check last against.
+    hilo_chunk(true);
+    SIMPO_CUDA_CHECK(cudaMemcpy(hi_before.get(), hi.get(), hi.bytes(), cudaMemcpyDeviceToDevice));
+    last();
+    if (!check("last", hi.get(), hi_before.get(), lo.get())) return 1;
 
-    const auto t = bench::time_interleaved(nullptr, 3, reps, {[&] { cublas_gemm(out.get(), CUDA_R_16BF); },
-                                                               hilo_first_chunk, mapped});
-    const char* names[] = {"floor (cuBLAS, bf16 out)", "hi/lo, first chunk", "mapped terms, bf16 out"};
+    const auto t = bench::time_interleaved(nullptr, 3, reps,
+                                           {[&] { cublas_gemm(out.get(), CUDA_R_16BF); }, [&] { hilo_chunk(true); },
+                                            mapped, [&] { hilo_chunk(false); }, last});
+    const char* names[] = {"floor (cuBLAS, bf16 out)", "hi/lo, first chunk", "mapped terms, bf16 out",
+                           "hi/lo, later chunk", "last chunk, hi alone"};
     const double flop = 2.0 * double(V) * double(H) * double(K);
     std::printf("M = %lld, N = %lld, K = %lld, median of %d in turns\n", (long long)V, (long long)H, (long long)K,
                 reps);
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < 5; ++i)
       std::printf("  %-28s %7.3f ms  %5.0f TFLOP/s  %.3fx floor\n", names[i], t[i].median_ms,
                   flop / t[i].median_ms * 1e-9, t[i].median_ms / t[0].median_ms);
     SIMPO_CUBLAS_CHECK(cublasDestroy(blas));
