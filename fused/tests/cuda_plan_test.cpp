@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 namespace simpo::fused::cuda {
 namespace {
@@ -93,7 +94,15 @@ TEST(CudaPlan, ForwardTakesItsStatisticsFromTheEpilogueInL2SizedChunks) {
   EXPECT_EQ(plan.kept, StepPlan::Kept::none);
   EXPECT_EQ(plan.schedule.max_rows(), 4096) << "x of 4096 rows at H = 4096 is 32 MiB";
   EXPECT_EQ(plan.schedule.bytes_per_row, statistics_tiles(published.V) * 16) << "no logits stored";
+  EXPECT_EQ(plan.logits.statistics_launch_rows, 2048) << "each chunk in two launches: 16 MiB of x each";
   expect_regions_disjoint(plan);
+  // Tuning: a part per launch (0; a negative count reads as 0), or any other count.
+  for (const auto& [asked, planned] : {std::pair<std::int64_t, std::int64_t>{0, 0}, {-5, 0}, {64, 64}}) {
+    const StepPlan tuned = plan_step(published, DType::BF16, forward, hopper, nullptr,
+                                     Tuning{.statistics_launch_rows = asked});
+    EXPECT_EQ(tuned.logits.statistics_launch_rows, planned) << asked;
+    EXPECT_EQ(tuned.logits_form().find("statistics over") != std::string::npos, planned > 0) << tuned.logits_form();
+  }
 }
 
 TEST(CudaPlan, WithoutTheSm90KernelsCublasSlicesAndAnFp32Accumulator) {
