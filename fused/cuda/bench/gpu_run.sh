@@ -3,17 +3,19 @@
 #   fused/cuda/bench/gpu_run.sh stage BUILD STAGE   (here) copy the built cuda_backend_test, cuda_bench,
 #                                                  gemm_accuracy, gemm_floor and fused_accuracy_table, a CTest
 #                                                  file of the gpu-labelled tests, libgomp and libcupti into STAGE
-#   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all but floor and ncu): gemm (gemm_accuracy:
+#                                                  (and into STAGE/dev the dev/ experiments that were built)
+#   fused/cuda/bench/gpu_run.sh run STAGE [PARTS]   (there) PARTS (default all but floor ncu dev): gemm (gemm_accuracy:
 #                                                  the logits GEMMs' error and speed), floor (gemm_floor: the best
 #                                                  GEMM per step shape, FLOOR_ARGS), ctest (ctest -L gpu), accuracy
 #                                                  (fused_accuracy_table --backend cuda), bench (cuda_bench, B=2..16,
 #                                                  the BENCH_EXTRA forms and the 64 MiB low-memory schedule),
 #                                                  sanitize (memcheck on the suite, racecheck on
 #                                                  small cases), ncu (Nsight Compute on the step's GEMMs at
-#                                                  NCU_B); logs in $OUT
+#                                                  NCU_B), dev (each dev/ experiment staged: those built with
+#                                                  `--target NAME`); logs in $OUT
 # Knobs (environment): FLOOR_ARGS (gemm_floor's arguments, default none: M = 2048 4096), BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
 # (the same for fused_accuracy_table), SMALL_WORKSPACE, PEERS_JSON (default: bench/peers.json),
-# MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY, NCU_B/_COUNT/_TIMEOUT.
+# MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY, NCU_B/_COUNT/_TIMEOUT, DEV_ARGS/_TIMEOUT.
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
@@ -21,6 +23,12 @@ if [ "$mode" = stage ]; then
   rm -rf "$stage" && mkdir -p "$stage/lib" || exit 2
   cp "$build/fused/cuda/cuda_backend_test" "$build/fused/cuda/cuda_bench" "$build/fused/cuda/gemm_accuracy" \
      "$build/fused/cuda/gemm_floor" "$build/fused/tests/fused_accuracy_table" "$stage/" || exit 2
+  # The dev/ experiments that were built (`cmake --build BUILD --target NAME`), for the dev part.
+  mkdir -p "$stage/dev" || exit 2
+  for f in "$(dirname "$0")"/../dev/*.cu; do
+    e=$(basename "$f" .cu)
+    [ -x "$build/fused/cuda/$e" ] && { cp "$build/fused/cuda/$e" "$stage/dev/" || exit 2; }
+  done
   # The discovered tests (add_test + LABELS gpu) with their absolute build path made relocatable; listing
   # them here (ctest -N) refreshes the discovery, which needs no GPU.
   (cd "$build/fused/cuda" && ctest -N > /dev/null) || exit 2
@@ -99,6 +107,16 @@ if want bench; then
   fi
   python3 "$(dirname "$0")/speed_table.py" "$OUT/bench.log" --json "$OUT/speed.json" --png "$OUT/speed.png" \
     --peers "${PEERS_JSON:-$(dirname "$0")/peers.json}" 2>&1 | tee -a "$OUT/bench.log"
+fi
+
+if want dev; then
+  # Not in the default parts: each staged dev/ experiment (fused/cuda/dev/README.md) with its defaults and DEV_ARGS.
+  for e in "$stage"/dev/*; do
+    [ -x "$e" ] || continue
+    echo "== dev/$(basename "$e") ${DEV_ARGS:-}"
+    timeout ${DEV_TIMEOUT:-300} "$e" ${DEV_ARGS:-} 2>&1 | tee -a "$OUT/dev.log"
+    summary+=("dev/$(basename "$e") exit ${PIPESTATUS[0]}")
+  done
 fi
 
 if want ncu; then
