@@ -15,7 +15,7 @@
 #                                                  `--target NAME`); logs in $OUT
 # Knobs (environment): FLOOR_ARGS (gemm_floor's arguments, default none: M = 2048 4096), BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
 # (the same for fused_accuracy_table), SMALL_WORKSPACE, PEERS_JSON (default: bench/peers.json),
-# MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY, NCU_B/_COUNT/_TIMEOUT, DEV_ARGS/_TIMEOUT.
+# MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY, NCU_B/_COUNT/_TIMEOUT, DEV_ONLY/_ARGS/_TIMEOUT.
 set -u
 mode=${1:?stage or run}
 if [ "$mode" = stage ]; then
@@ -110,9 +110,11 @@ if want bench; then
 fi
 
 if want dev; then
-  # Not in the default parts: each staged dev/ experiment (fused/cuda/dev/README.md) with its defaults and DEV_ARGS.
+  # Not in the default parts: each staged dev/ experiment (fused/cuda/dev/README.md), or those DEV_ONLY names, with
+  # its defaults and DEV_ARGS.
   for e in "$stage"/dev/*; do
     [ -x "$e" ] || continue
+    [ -n "${DEV_ONLY:-}" ] && [[ " $DEV_ONLY " != *" $(basename "$e") "* ]] && continue
     echo "== dev/$(basename "$e") ${DEV_ARGS:-}"
     timeout ${DEV_TIMEOUT:-300} "$e" ${DEV_ARGS:-} 2>&1 | tee -a "$OUT/dev.log"
     summary+=("dev/$(basename "$e") exit ${PIPESTATUS[0]}")
