@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <vector>
 
@@ -45,6 +47,17 @@ static std::vector<Timing> time_interleaved(cudaStream_t stream, int warmup, int
     out.push_back({m[m.size() / 2], m.front()});
   }
   return out;
+}
+
+// A GEMM table of time_interleaved's result: the shape, then per body its median, TFLOP/s and ratio to the first
+// body's (the floor), names[i] naming bodies[i].
+static inline void print_gemm_timings(std::int64_t M, std::int64_t N, std::int64_t K, int reps,
+                                      const std::vector<const char*>& names, const std::vector<Timing>& t) {
+  const double flop = 2.0 * double(M) * double(N) * double(K);
+  std::printf("M = %lld, N = %lld, K = %lld, median of %d in turns\n", (long long)M, (long long)N, (long long)K, reps);
+  for (std::size_t i = 0; i < t.size() && i < names.size(); ++i)
+    std::printf("  %-28s %7.3f ms  %5.0f TFLOP/s  %.3fx floor\n", names[i], t[i].median_ms,
+                flop / t[i].median_ms * 1e-9, t[i].median_ms / t[0].median_ms);
 }
 
 }  // namespace simpo::fused::cuda::bench

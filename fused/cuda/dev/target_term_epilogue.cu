@@ -129,116 +129,73 @@ struct Sm90RowMappedTerms {
   }
 };
 
-// The hi/lo GEMM's mainloop (dz^T M-major, x N-major, 128x256x64 cooperative) with D = bf16(s (acc + terms)).
-struct MappedGemm {
-  using Element = cutlass::bfloat16_t;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-  using Sum = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, float, float, kRound>, fusion::Sm90AccFetch,
-                              Sm90RowMappedTerms<float>>;
-  using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, Element, float, kRound>,
-                                    fusion::Sm90ScalarBroadcast<float>, Sum>;
+using Element = cutlass::bfloat16_t;
+using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+using Schedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using RowMajor = cutlass::layout::RowMajor;
+constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+using Plus = fusion::Sm90Compute<cutlass::plus, float, float, kRound>;
+// s times a tree's value, rounded to bf16 once.
+template <class Sum>
+using Scaled = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, Element, float, kRound>,
+                               fusion::Sm90ScalarBroadcast<float>, Sum>;
+
+// The hi/lo GEMM's mainloop (dz^T M-major, x N-major, 128x256x64 cooperative, hilo_gemm.cu) with an epilogue of
+// visitor nodes Callbacks over a C of ElementC (void: none) and a bf16 D, both [M, ld_w].
+template <class ElementC, class Callbacks>
+struct WeightGemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, 8, Element,
-      cutlass::layout::RowMajor, 8, cutlass::epilogue::TmaWarpSpecializedCooperative, Callbacks>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor, 8, Element, RowMajor, 8,
+      Schedule, Callbacks>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
-      cutlass::layout::RowMajor, 8, float, TileShape, Cluster,
+      RowMajor, 8, float, TileShape, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  static void run(int K, int M, int N, const void* dz, int ld_dz, const void* x, int ld_x, const int* map,
-                  const float* terms, std::int64_t ld_terms, float scale, void* out, int ld_out) {
+  // Callbacks' arguments nest as the tree: {children..., node}.
+  static void run(int K, int M, int N, const void* dz, int ld_dz, const void* x, int ld_x,
+                  typename Callbacks::Arguments thread, const void* c, void* d, int ld_w) {
     using namespace cute;
-    typename Mainloop::StrideA sa{Int<1>{}, ld_dz, 0};
-    typename Mainloop::StrideB sb{Int<1>{}, ld_x, 0};
-    typename Epilogue::StrideD sd{ld_out, Int<1>{}, 0};
-    cutlass::KernelHardwareInfo hw{0, cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0)};
+    typename Epilogue::StrideD sw{ld_w, Int<1>{}, 0};
     typename Gemm::Arguments args{};
     args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
     args.problem_shape = {M, N, K, 1};
-    args.mainloop = {static_cast<const Element*>(dz), sa, static_cast<const Element*>(x), sb};
-    // Callbacks' arguments nest as the tree: {children..., node}.
-    args.epilogue.thread = {{{scale}}, {{}, {map, terms, ld_terms}, {}}, {}};
-    args.epilogue.ptr_C = nullptr;
-    args.epilogue.dC = sd;
-    args.epilogue.ptr_D = static_cast<Element*>(out);
-    args.epilogue.dD = sd;
-    args.hw_info = hw;
+    args.mainloop = {static_cast<const Element*>(dz), typename Mainloop::StrideA{Int<1>{}, ld_dz, 0},
+                     static_cast<const Element*>(x), typename Mainloop::StrideB{Int<1>{}, ld_x, 0}};
+    args.epilogue.thread = thread;
+    args.epilogue.ptr_C = static_cast<const typename Epilogue::ElementC*>(c);
+    args.epilogue.dC = sw;
+    args.epilogue.ptr_D = static_cast<Element*>(d);
+    args.epilogue.dD = sw;
+    args.hw_info = {0, cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0)};
     Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess || gemm.initialize(args, nullptr) != cutlass::Status::kSuccess ||
-        gemm.run() != cutlass::Status::kSuccess)
-      throw CudaError("mapped-term CUTLASS GEMM failed");
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess ||
+        gemm.initialize(args, nullptr) != cutlass::Status::kSuccess || gemm.run() != cutlass::Status::kSuccess)
+      throw CudaError("weight GEMM with the mapped target terms failed");
   }
 };
+
+// One chunk: D = bf16(s (acc + terms)), no C.
+using Mapped = Scaled<fusion::Sm90EVT<Plus, fusion::Sm90AccFetch, Sm90RowMappedTerms<float>>>;
+using MappedGemm = WeightGemm<void, Mapped>;
 
 // The last chunk: the pair read (lo as C, hi through an aux load, as in hilo_gemm.cu), the mapped terms added, hi
-// stored in place (D) and lo not at all.
-struct LastChunkGemm {
-  using Element = cutlass::bfloat16_t;
-  using TileShape = MappedGemm::TileShape;
-  using Cluster = MappedGemm::Cluster;
-  using Layout = cutlass::layout::RowMajor;
-  using Schedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-  using Descriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
-      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, Schedule>;
-  using HiDescriptor = cutlass::epilogue::collective::detail::AuxLoadDescriptor<Descriptor, Layout, Element>;
-  using HiLoad = fusion::Sm90AuxLoad<HiDescriptor::Stages, typename Descriptor::EpilogueTile, Element,
-                                     typename HiDescriptor::Stride, typename HiDescriptor::SmemLayoutAtom,
-                                     typename HiDescriptor::CopyOpS2R>;
-  using Plus = fusion::Sm90Compute<cutlass::plus, float, float, kRound>;
-  using AccHi = fusion::Sm90EVT<Plus, fusion::Sm90AccFetch, HiLoad>;
-  using LoTerms = fusion::Sm90EVT<Plus, fusion::Sm90SrcFetch<Element>, Sm90RowMappedTerms<float>>;
-  using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, Element, float, kRound>,
-                                    fusion::Sm90ScalarBroadcast<float>, fusion::Sm90EVT<Plus, AccHi, LoTerms>>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, 8, Element, Layout, 8, Schedule,
-      Callbacks>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, 8, Element,
-      cutlass::layout::RowMajor, 8, float, TileShape, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-  static void run(int K, int M, int N, const void* dz, int ld_dz, const void* x, int ld_x, const int* map,
-                  const float* terms, std::int64_t ld_terms, float scale, void* hi, void* lo, int ld_w) {
-    using namespace cute;
-    typename Mainloop::StrideA sa{Int<1>{}, ld_dz, 0};
-    typename Mainloop::StrideB sb{Int<1>{}, ld_x, 0};
-    typename Epilogue::StrideD sw{ld_w, Int<1>{}, 0};
-    typename HiDescriptor::Stride s_hi{ld_w, Int<1>{}, 0};
-    cutlass::KernelHardwareInfo hw{0, cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0)};
-    typename Gemm::Arguments args{};
-    args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-    args.problem_shape = {M, N, K, 1};
-    args.mainloop = {static_cast<const Element*>(dz), sa, static_cast<const Element*>(x), sb};
-    // {scale, {{acc, hi}, {lo, terms}, plus}, multiplies}
-    args.epilogue.thread = {{{scale}},
-                            {{{}, {static_cast<const Element*>(hi), Element(0), s_hi}, {}},
-                             {{}, {map, terms, ld_terms}, {}},
-                             {}},
-                            {}};
-    args.epilogue.ptr_C = static_cast<const Element*>(lo);
-    args.epilogue.dC = sw;
-    args.epilogue.ptr_D = static_cast<Element*>(hi);
-    args.epilogue.dD = sw;
-    args.hw_info = hw;
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess || gemm.initialize(args, nullptr) != cutlass::Status::kSuccess ||
-        gemm.run() != cutlass::Status::kSuccess)
-      throw CudaError("last-chunk CUTLASS GEMM failed");
-  }
-};
+// stored in place (D) and lo not at all: D = bf16(s ((acc + hi) + (lo + terms))).
+using Descriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+    TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, Schedule>;
+using HiDescriptor = cutlass::epilogue::collective::detail::AuxLoadDescriptor<Descriptor, RowMajor, Element>;
+using HiLoad = fusion::Sm90AuxLoad<HiDescriptor::Stages, typename Descriptor::EpilogueTile, Element,
+                                   typename HiDescriptor::Stride, typename HiDescriptor::SmemLayoutAtom,
+                                   typename HiDescriptor::CopyOpS2R>;
+using LastChunk = Scaled<fusion::Sm90EVT<Plus, fusion::Sm90EVT<Plus, fusion::Sm90AccFetch, HiLoad>,
+                                         fusion::Sm90EVT<Plus, fusion::Sm90SrcFetch<Element>, Sm90RowMappedTerms<float>>>>;
+using LastChunkGemm = WeightGemm<Element, LastChunk>;
 
 // The check's reference: bf16(sum + hi + lo + T[map[m]]) from cuBLAS's fp32 sum (hi and lo: the pair before the
 // call, null for none), and the count of elements of `got` more than one bf16 ulp from it.
@@ -308,18 +265,24 @@ int main(int argc, char** argv) {
                                       CUDA_R_16BF, int(H), dz.get(), CUDA_R_16BF, int(V), &zero, c, type, int(H),
                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
+    const Sm90RowMappedTerms<float>::Arguments mapped_terms{map.as<int>(), terms.as<float>(), H};
     auto mapped = [&] {
-      MappedGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), map.as<int>(), terms.as<float>(), H,
-                      1.0f, out.get(), int(H));
+      MappedGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), {{{1.0f}}, {{}, mapped_terms, {}}, {}},
+                      nullptr, out.get(), int(H));
     };
     auto hilo_chunk = [&](bool overwrite) {
       hilo_accumulate_grad_weight(K, V, H, dz.as<__nv_bfloat16>(), V, x.as<__nv_bfloat16>(), H,
                                   hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), H, overwrite, Scale{}, nullptr,
                                   nullptr, 0);
     };
+    const typename HiDescriptor::Stride hi_stride{H, cute::Int<1>{}, 0};
     auto last = [&] {
-      LastChunkGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), map.as<int>(), terms.as<float>(),
-                         H, 1.0f, hi.get(), lo.get(), int(H));
+      // {s, {{acc, hi}, {lo, terms}, plus}, multiplies}
+      LastChunkGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H),
+                         {{{1.0f}},
+                          {{{}, {hi.as<Element>(), Element(0), hi_stride}, {}}, {{}, mapped_terms, {}}, {}},
+                          {}},
+                         lo.get(), hi.get(), int(H));
     };
     // Every element of `got` within one bf16 ulp of bf16(sum + pair + T); the pair as it was before (null: none).
     auto check = [&](const char* what, const void* got, const void* pair_hi, const void* pair_lo) {
@@ -348,14 +311,10 @@ int main(int argc, char** argv) {
     const auto t = bench::time_interleaved(nullptr, 3, reps,
                                            {[&] { cublas_gemm(out.get(), CUDA_R_16BF); }, [&] { hilo_chunk(true); },
                                             mapped, [&] { hilo_chunk(false); }, last});
-    const char* names[] = {"floor (cuBLAS, bf16 out)", "hi/lo, first chunk", "mapped terms, bf16 out",
-                           "hi/lo, later chunk", "last chunk, hi alone"};
-    const double flop = 2.0 * double(V) * double(H) * double(K);
-    std::printf("M = %lld, N = %lld, K = %lld, median of %d in turns\n", (long long)V, (long long)H, (long long)K,
-                reps);
-    for (int i = 0; i < 5; ++i)
-      std::printf("  %-28s %7.3f ms  %5.0f TFLOP/s  %.3fx floor\n", names[i], t[i].median_ms,
-                  flop / t[i].median_ms * 1e-9, t[i].median_ms / t[0].median_ms);
+    bench::print_gemm_timings(V, H, K, reps,
+                              {"floor (cuBLAS, bf16 out)", "hi/lo, first chunk", "mapped terms, bf16 out",
+                               "hi/lo, later chunk", "last chunk, hi alone"},
+                              t);
     SIMPO_CUBLAS_CHECK(cublasDestroy(blas));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "target_term_epilogue: %s\n", e.what());

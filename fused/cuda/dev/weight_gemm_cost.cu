@@ -136,14 +136,10 @@ int main(int argc, char** argv) {
     };
     const auto t = bench::time_interleaved(nullptr, 3, reps, {floor, floor_f32, [&] { hilo(true); },
                                                                [&] { hilo(false); }, plain});
-    const char* names[] = {"floor (cuBLAS, bf16 out)", "cuBLAS into fp32, beta = 1", "hi/lo, first chunk",
-                           "hi/lo, later chunk", "CUTLASS mainloop, bf16 out"};
-    const double flop = 2.0 * double(V) * double(H) * double(K);
-    std::printf("M = %lld, N = %lld, K = %lld, median of %d in turns\n", (long long)V, (long long)H, (long long)K,
-                reps);
-    for (int i = 0; i < 5; ++i)
-      std::printf("  %-28s %7.3f ms  %5.0f TFLOP/s  %.3fx floor\n", names[i], t[i].median_ms,
-                  flop / t[i].median_ms * 1e-9, t[i].median_ms / t[0].median_ms);
+    bench::print_gemm_timings(V, H, K, reps,
+                              {"floor (cuBLAS, bf16 out)", "cuBLAS into fp32, beta = 1", "hi/lo, first chunk",
+                               "hi/lo, later chunk", "CUTLASS mainloop, bf16 out"},
+                              t);
     SIMPO_CUBLAS_CHECK(cublasDestroy(blas));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "weight_gemm_cost: %s\n", e.what());
