@@ -118,11 +118,10 @@ def compute(x, weight, target, bias, meta, *, gradients=True, grad_x=True, grad_
         P = B // 2
         shapes = [(P,) if name.endswith(("_logps", "_rewards")) else () for name in _FORWARD_OUTPUTS]
         if forward_views:
-            packed = torch.empty(4 + 4 * P, dtype=torch.float32, device=dev)
-            forward, at = {}, 0
-            for name, s in zip(_FORWARD_OUTPUTS, shapes):
-                forward[name] = packed[at:at + (P if s else 1)].view(s)
-                at += P if s else 1
+            sizes = [P if s else 1 for s in shapes]
+            packed = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
+            forward = {name: part.view(s)
+                       for name, s, part in zip(_FORWARD_OUTPUTS, shapes, packed.split(sizes))}
         else:  # each a tensor of its own (an op's outputs may not alias)
             forward = {name: torch.empty(s, dtype=torch.float32, device=dev)
                        for name, s in zip(_FORWARD_OUTPUTS, shapes)}

@@ -27,6 +27,7 @@
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/hilo_gemm.h"
+#include "fused/cuda/register_epilogue.cuh"
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -51,46 +52,23 @@
 using namespace simpo::fused::cuda;
 namespace fusion = cutlass::epilogue::fusion;
 
+// The node's parameters: where its terms are.
+struct RowMappedTermsArgs {
+  const int* map = nullptr;      // [M]: a row of terms, or -1
+  const float* terms = nullptr;  // [rows of terms, ld]
+  std::int64_t ld = 0;
+  bool valid() const { return map != nullptr && terms != nullptr; }
+};
+
 // Per output element (m, n) of the tile: terms[map[m0 + m] * ld + n0 + n], or 0 where the map holds -1. No shared
 // memory and no producer load: the map is read through L1 (a few rows per thread and subtile), T only on mapped rows.
+// The node's plumbing (arguments, workspace, no loads) is register_epilogue.cuh's EpilogueParams; its leaf visit is
+// its own.
 template <class ElementCompute>
-struct Sm90RowMappedTerms {
-  struct SharedStorage {};
-  struct Arguments {
-    const int* map = nullptr;      // [M]: a row of terms, or -1
-    const float* terms = nullptr;  // [rows of terms, ld]
-    std::int64_t ld = 0;
-  };
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.map != nullptr && args.terms != nullptr;
-  }
-  template <class ProblemShape>
-  static std::size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  CUTLASS_HOST_DEVICE Sm90RowMappedTerms() {}
-  CUTLASS_HOST_DEVICE Sm90RowMappedTerms(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(fusion::ProducerLoadArgs<Args...> const&) {
-    return fusion::EmptyProducerLoadCallbacks{};
-  }
+struct Sm90RowMappedTerms : EpilogueParams<RowMappedTermsArgs> {
+  using Base = EpilogueParams<RowMappedTermsArgs>;
+  using typename Base::Params;
+  using Base::Base;
 
   template <class CTensor, class Residue>
   struct ConsumerStoreCallbacks : fusion::EmptyConsumerStoreCallbacks {
@@ -265,7 +243,7 @@ int main(int argc, char** argv) {
                                       CUDA_R_16BF, int(H), dz.get(), CUDA_R_16BF, int(V), &zero, c, type, int(H),
                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
-    const Sm90RowMappedTerms<float>::Arguments mapped_terms{map.as<int>(), terms.as<float>(), H};
+    const RowMappedTermsArgs mapped_terms{map.as<int>(), terms.as<float>(), H};
     auto mapped = [&] {
       MappedGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), {{{1.0f}}, {{}, mapped_terms, {}}, {}},
                       nullptr, out.get(), int(H));
