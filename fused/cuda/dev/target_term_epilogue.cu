@@ -60,7 +60,7 @@ struct RowMappedTermsArgs {
   bool valid() const { return map != nullptr && terms != nullptr; }
 };
 
-// Per output element (m, n) of the tile: terms[map[m0 + m] * ld + n0 + n], or 0 where the map holds -1. No shared
+// Per output element at (m, n) of grad_W: terms[map[m] * ld + n], or 0 where the map holds -1. No shared
 // memory and no producer load: the map is read through L1 (a few rows per thread and subtile), T only on mapped rows.
 // The node's plumbing (arguments, workspace, no loads) is register_epilogue.cuh's EpilogueParams; its leaf visit is
 // its own.
@@ -72,12 +72,13 @@ struct Sm90RowMappedTerms : EpilogueParams<RowMappedTermsArgs> {
 
   template <class CTensor, class Residue>
   struct ConsumerStoreCallbacks : fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor tCcD, Residue residue, int m0, int n0, Params const& params)
-        : tCcD(tCcD), residue(residue), m0(m0), n0(n0), params(params) {}
-    CTensor tCcD;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) coordinates within the tile
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor tCcD, Residue residue, const int* map, const float* terms, int ld)
+        : tCcD(tCcD), residue(residue), map(map), terms(terms), ld(ld) {}
+    CTensor tCcD;  // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) coordinates relative to this thread's first element
     Residue residue;
-    int m0, n0;  // the tile's first row and column
-    Params const& params;
+    const int* map;      // at this thread's first element's row
+    const float* terms;  // at its column
+    int ld;
 
     template <class ElementAccumulator, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<ElementCompute, FragmentSize> visit(
@@ -87,11 +88,8 @@ struct Sm90RowMappedTerms : EpilogueParams<RowMappedTermsArgs> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         const auto coord = tCcD_mn(epi_v * FragmentSize + i);
-        int row = -1;
-        if (cute::elem_less(coord, residue)) row = __ldg(params.map + m0 + int(cute::get<0>(coord)));
-        out[i] = row < 0 ? ElementCompute(0)
-                         : ElementCompute(__ldg(params.terms + std::int64_t(row) * params.ld + n0 +
-                                                int(cute::get<1>(coord))));
+        const int row = cute::elem_less(coord, residue) ? __ldg(map + int(cute::get<0>(coord))) : -1;
+        out[i] = row < 0 ? ElementCompute(0) : ElementCompute(__ldg(terms + row * ld + int(cute::get<1>(coord))));
       }
       return out;
     }
@@ -99,11 +97,13 @@ struct Sm90RowMappedTerms : EpilogueParams<RowMappedTermsArgs> {
 
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [m, n, k, l] = args.tile_coord_mnkl;
-    const int m0 = int(m) * int(cute::size<0>(args.tile_shape_mnk));
-    const int n0 = int(n) * int(cute::size<1>(args.tile_shape_mnk));
-    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(args.tCcD, args.residue_tCcD, m0,
-                                                                                   n0, params);
+    // The epilogue passes coordinates relative to each thread's first element and the residue from there to the
+    // problem's corner (M, N): that element's global coordinates are the difference.
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    const int m0 = int(M) - int(cute::get<0>(args.residue_tCcD));
+    const int n0 = int(N) - int(cute::get<1>(args.residue_tCcD));
+    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
+        args.tCcD, args.residue_tCcD, params.map + m0, params.terms + n0, int(params.ld));
   }
 };
 
