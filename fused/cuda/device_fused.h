@@ -81,7 +81,7 @@ DeviceFeatures device_features();
 
 // One chunk's weight gradient into the bf16 hi/lo pair (hilo_gemm.h): the GEMM over the whole groups of 8 rows of
 // W, hilo_tail_kernel over the last V % 8, then the one-hot target term, per target once (launch_target_rows), each
-// step scaled by `scale` (accumulate_hilo_chunk). What a chunk's backward runs with scale 1, and what a deferred
+// step scaled by `scale` (accumulate_hilo_chunk; a finish's terms come first). What a chunk's backward runs with scale 1, and what a deferred
 // finish runs with the loss scale.
 struct HiLoChunk {
   std::int64_t rows = 0, V = 0, H = 0;
@@ -97,10 +97,18 @@ struct HiLoChunk {
   const float* target_coef = nullptr;
   __nv_bfloat16 *hi = nullptr, *lo = nullptr;  // [V, H]
   bool overwrite = false;                      // the step's first weight GEMM: the pair is written, not read
+  // The step's last weight GEMM into a pair an earlier chunk wrote: its target terms go into the pair first
+  // (add_hilo_target_terms, at scale 1: the GEMM's epilogue then scales the whole sum and rounds it once), and the
+  // GEMM writes hi alone (PairOutput::hi) unless lo is the caller's (`lo_is_output`: DeviceCall::grad_weight_lo,
+  // the rounding residue it reads).
+  bool finish = false;
+  bool lo_is_output = false;
   void* gemm_scratch = nullptr;
   std::size_t gemm_scratch_bytes = 0;
 };
 void accumulate_hilo_chunk(const HiLoChunk&, Scale scale, cudaStream_t);
+// The chunk's target terms into the pair (launch_target_rows): after the GEMM, or before it for a finish.
+void add_hilo_target_terms(const HiLoChunk&, Scale scale, cudaStream_t);
 
 // Caller-owned memory for a run (fused.h: DeviceCall::workspace): the plan's workspace, then its accumulator from
 // StepPlan::accumulator_offset(); at least StepPlan::caller_workspace_bytes(), 256-byte aligned.

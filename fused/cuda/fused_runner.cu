@@ -36,15 +36,28 @@ DeviceFeatures device_features() {
   return DeviceFeatures{.sm90_kernels = promoted_logits_available()};
 }
 
-// The GEMM over whole groups of 8 rows of W (TMA along V), hilo_tail_kernel over the last V % 8, then the target
-// term, per target once, after both (each reads and writes the pair).
-void accumulate_hilo_chunk(const HiLoChunk& c, Scale scale, cudaStream_t stream) {
+namespace {
+// hi, lo [V, H] (+)= dz^T x: the GEMM over whole groups of 8 rows of W (TMA along V), hilo_tail_kernel over the
+// last V % 8 (which writes both halves: a handful of rows).
+void accumulate_hilo(const HiLoChunk& c, Scale scale, cudaStream_t stream) {
   const std::int64_t V8 = c.V / 8 * 8;
+  const PairOutput output = c.finish && !c.lo_is_output ? PairOutput::hi : PairOutput::hi_and_lo;
   hilo_accumulate_grad_weight(c.rows, V8, c.H, c.dz, c.ld_dz, c.x, c.ld_x, c.hi, c.lo, c.H, c.overwrite, scale, stream,
-                              c.gemm_scratch, c.gemm_scratch_bytes);
+                              c.gemm_scratch, c.gemm_scratch_bytes, output);
   launch_hilo_tail(c.rows, V8, c.V, c.H, c.dz, c.ld_dz, c.x, c.ld_x, c.hi, c.lo, c.H, c.overwrite, scale, stream);
+}
+}  // namespace
+
+void add_hilo_target_terms(const HiLoChunk& c, Scale scale, cudaStream_t stream) {
   launch_target_rows(c.target_x, c.ld_x, c.H, c.target_rows, c.target, c.target_coef,
                      TargetRowsSink{.hi = c.hi, .lo = c.lo, .ld_w = c.H, .scale = scale}, stream);
+}
+
+// The GEMM and its tail, then the target term, per target once, after both (each reads and writes the pair); a
+// finish's terms are in the pair already.
+void accumulate_hilo_chunk(const HiLoChunk& c, Scale scale, cudaStream_t stream) {
+  accumulate_hilo(c, scale, stream);
+  if (!c.finish) add_hilo_target_terms(c, scale, stream);
 }
 
 namespace {
@@ -259,7 +272,9 @@ class ChunkedStep {
         HiLoChunk chunk{.rows = rows, .V = V, .H = H, .dz = dz_, .ld_dz = ld_dz_, .x = x_chunk, .ld_x = ld_h,
                         .target_x = p_.x, .target_rows = chunk_rows, .target = p_.target,
                         .target_coef = rows_.target_coef, .hi = hi_, .lo = lo_, .overwrite = first_weight_gemm_,
+                        .finish = last && !first_weight_gemm_, .lo_is_output = g_->grad_weight_lo != nullptr,
                         .gemm_scratch = gemm_scratch_, .gemm_scratch_bytes = static_cast<std::size_t>(l_.gemm_bytes)};
+        if (chunk.finish) add_hilo_target_terms(chunk, Scale{}, stream_);
         if (last && deferred_) defer(c, chunk, *deferred_);
         else accumulate_hilo_chunk(chunk, Scale{}, stream_);
       }
@@ -279,15 +294,20 @@ class ChunkedStep {
 
   // The last chunk's weight gradient left for a finish (fused.h: DeviceCall::defer_weight_finish), with operands
   // that no later call reads from the inputs: its dz stays where it is (the kept logits' bytes), its x rows are
-  // the gathered ones (a chunk of one part is copied there), and its targets and coefficients, in chunk order, go
-  // to Layout::deferred_targets (grad_x's bytes, free once this chunk's grad_x is finished: ordered on the stream
-  // after grad_x_finish_kernel read them). Indexed 0..rows-1 in chunk order, the target term sums the same products
-  // in the same order as with the inputs' rows, so its bits do not change.
+  // the gathered ones (a chunk of one part is copied there), and, where its target terms are not in the pair
+  // already (a step of one chunk: nothing to add them to before its GEMM), its targets and coefficients, in chunk
+  // order, go to Layout::deferred_targets (grad_x's bytes, free once this chunk's grad_x is finished: ordered on the
+  // stream after grad_x_finish_kernel read them). Indexed 0..rows-1 in chunk order, the target term sums the same
+  // products in the same order as with the inputs' rows, so its bits do not change.
   void defer(const Chunk& c, HiLoChunk chunk, HiLoChunk& out) {
     const std::int64_t rows = c.rows(), ld_h = p_.ld_h;
     if (chunk.x != x_rows_) {
       SIMPO_CUDA_CHECK(cudaMemcpyAsync(x_rows_, chunk.x, rows * ld_h * sizeof(T), cudaMemcpyDeviceToDevice, stream_));
       chunk.x = x_rows_;
+    }
+    if (chunk.finish) {
+      out = chunk;
+      return;
     }
     auto* coef = reinterpret_cast<float*>(deferred_targets_ + rows);
     std::int64_t offset = 0;
@@ -451,9 +471,11 @@ class ChunkedStep {
 //   3. backward, per slice [v0, v1) of the vocabulary and, within it, per block [r0, r1) of token rows: the
 //      tile's logits again, its dz from that GEMM's epilogue (V % 8 == 0; k and target_coef of every row first)
 //      or by dz_kernel in place over them, grad_x[r0, r1) += dz W[v0, v1) into an fp32 [N, ld_h] accumulator,
-//      grad_W[v0, v1) (+)= dz^T x[r0, r1) (the fp32 output's rows, or the workspace's slice buffer); after the
-//      slice's last block its grad_W rows get their target term and are rounded into a bf16 output, and after
-//      the last slice grad_x is finished as in the other schedules (target term, one rounding).
+//      grad_W[v0, v1) (+)= dz^T x[r0, r1) into the hi/lo pair (hi the bf16 output's rows, lo the workspace's
+//      slice or the caller's lo) or fp32 rows (the fp32 output's, or the workspace's slice); the slice's grad_W
+//      rows get their target terms (target_rows_kernel: per target once, rows in order, so the step stays
+//      deterministic) and fp32 rows are rounded into a bf16 output; after the last slice grad_x is finished as in
+//      the other schedules (target term, one rounding).
 void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const StepPlan& plan, char* base,
                     const RowArrays& rows, Gemms& gemms, float* grad_x_sum, cudaStream_t stream,
                     const std::function<void()>& statistics_known) {
@@ -473,8 +495,8 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
   auto* dz = at<__nv_bfloat16>(base, l.tile);
   const std::int64_t ld_dz = plan.dz_in_epilogue ? C : 2 * C;
   float* row_k = at<float>(base, l.row_k);
+  const bool hilo = plan.grad_weight == StepPlan::GradWeight::sliced_hilo;
   const bool own_slice = g.grad_weight == nullptr;  // no fp32 output to write the slice's rows into
-  float* grad_w_slice = own_slice ? at<float>(base, l.grad_w_slice) : nullptr;
 
   if (g.grad_bias) SIMPO_CUDA_CHECK(cudaMemsetAsync(g.grad_bias, 0, V * 4, stream));
 
@@ -513,11 +535,25 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
     launch_row_coefficients(N, p.target, hp.ignore_index, coefficients, rows.lse, rows.z_target, row_k,
                             rows.target_coef, stream);
 
-  // 3. backward, a tile of the vocabulary slice by row block at a time
+  // 3. backward, a tile of the vocabulary slice by row block at a time. Where every row's coefficient is known
+  // before the first tile (dz from the epilogue: row_coefficients_kernel), a pair's target terms go in after the
+  // slice's first block and its last block writes hi alone (HiLoChunk::finish); else they follow the last block.
+  const bool terms_after_first_block = hilo && plan.dz_in_epilogue;
   for (std::int64_t v0 = 0; v0 < V; v0 += C) {
     const std::int64_t columns = std::min(C, V - v0);  // a multiple of 4: V % 4 == 0, C % 192 == 0
     const __nv_bfloat16* w_slice = p.weight + v0 * ld_h;
-    float* gw = own_slice ? grad_w_slice : g.grad_weight + v0 * ld_h;  // row 0 = vocabulary row v0
+    // The slice's grad_W rows, row 0 = vocabulary row v0: the pair, or fp32 rows.
+    __nv_bfloat16* hi = hilo ? g.grad_weight_16bit + v0 * H : nullptr;
+    __nv_bfloat16* lo = !hilo                ? nullptr
+                        : g.grad_weight_lo ? g.grad_weight_lo + v0 * H
+                                           : at<__nv_bfloat16>(base, l.grad_w_slice);
+    float* gw = hilo ? nullptr : own_slice ? at<float>(base, l.grad_w_slice) : g.grad_weight + v0 * ld_h;
+    const TargetRowsSink sink{.hi = hi, .lo = lo, .f32 = gw, .ld_w = hilo ? H : ld_h, .v_begin = v0,
+                              .v_end = v0 + columns};
+    auto add_target_terms = [&] {
+      launch_target_rows(p.x, ld_h, H, ChunkRows{.begin = {0, 0}, .rows = {N, 0}}, p.target, rows.target_coef, sink,
+                         stream);
+    };
     for (std::int64_t r0 = 0; r0 < N; r0 += R) {
       const std::int64_t block = std::min(R, N - r0);
       const __nv_bfloat16* x_block = p.x + r0 * ld_h;
@@ -534,15 +570,25 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
         launch_dz(tile, coefficients, rows.row_max, rows.lse, rows.z_target, dz, ld_dz, rows.target_coef, stream);
       }
       gemms.grad_x(block, columns, ld_h, dz, ld_dz, w_slice, grad_x_sum + r0 * ld_h, /*accumulate=*/v0 > 0);
-      gemms.accumulate_grad_weight(block, columns, ld_h, dz, ld_dz, x_block, gw, /*overwrite=*/r0 == 0);
+      if (hilo) {
+        accumulate_hilo(HiLoChunk{.rows = block, .V = columns, .H = H, .dz = dz, .ld_dz = ld_dz, .x = x_block,
+                                  .ld_x = ld_h, .hi = hi, .lo = lo, .overwrite = r0 == 0,
+                                  .finish = terms_after_first_block && r0 > 0 && r0 + block == N,
+                                  .lo_is_output = g.grad_weight_lo != nullptr, .gemm_scratch = gemm_scratch,
+                                  .gemm_scratch_bytes = gemm_bytes},
+                        Scale{}, stream);
+        if (terms_after_first_block && r0 == 0) add_target_terms();
+      } else {
+        gemms.accumulate_grad_weight(block, columns, ld_h, dz, ld_dz, x_block, gw, /*overwrite=*/r0 == 0);
+      }
       // After this block's dz: target_coef holds its rows' coefficients (row_coefficients_kernel, or dz_kernel).
       if (g.grad_bias)
         launch_bias_column_sums(dz, ld_dz, ChunkRows{.begin = {r0, 0}, .rows = {block, 0}}, columns, v0, p.target,
                                 rows.target_coef, g.grad_bias + v0, stream);
     }
     // target_coef holds every row's coefficient now (row_coefficients_kernel, or each block's dz_kernel)
-    launch_target_scatter(p.x, N, 0, H, ld_h, p.target, rows.target_coef, gw, nullptr, stream, v0, v0 + columns);
-    if (g.grad_weight_16bit)
+    if (!terms_after_first_block) add_target_terms();
+    if (!hilo && g.grad_weight_16bit)
       launch_round_to(gw, ld_h, columns, H, g.grad_weight_16bit + v0 * H, stream,
                       g.grad_weight_lo != nullptr ? g.grad_weight_lo + v0 * H : nullptr);
   }
@@ -554,7 +600,8 @@ const char* accumulator_purpose(StepPlan::GradWeight form) {
   switch (form) {
     case StepPlan::GradWeight::hilo: return "the bf16 lo half of the grad_weight hi/lo pair";
     case StepPlan::GradWeight::f32_own: return "the fp32 grad_weight accumulator";
-    case StepPlan::GradWeight::sliced: return "the fp32 grad_x accumulator of the low-memory schedule";
+    case StepPlan::GradWeight::sliced:
+    case StepPlan::GradWeight::sliced_hilo: return "the fp32 grad_x accumulator of the low-memory schedule";
     default: return "an accumulator";
   }
 }

@@ -10,7 +10,8 @@
 //   D  = bf16(s - float(bf16(s)))               Sm90Compute<Residual>, D's store rounds to nearest
 //
 // with C = D = lo and the aux load and store both on hi: each tile is read (C and aux loads, TMA into shared
-// memory) before the same CTA writes it, and tiles are disjoint, so in place is safe. Why lo is C and hi the aux
+// memory) before the same CTA writes it, and tiles are disjoint, so in place is safe. The step's last GEMM
+// (PairOutput::hi) stops at s: D = hi = bf16(s), C = lo read only. Why lo is C and hi the aux
 // and not the other way round: the tree has one output that its parent can see, and both stores need s; with
 // hi as the aux store (which passes its input through) the residual can still be formed from s above it.
 //
@@ -25,6 +26,7 @@
 #include "fused/cuda/promoted_gemm.h"
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(SIMPO_HAVE_CUTLASS_SM90)
@@ -128,7 +130,7 @@ class L2PrefetchingEpilogue : public Base {
   Params const& prefetch_;
 };
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule, PairOutput kOutput>
 struct HiLoGemm {
   using Element = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::ColumnMajor;  // dz^T [M = V, K = rows]: m contiguous (a row of dz)
@@ -152,8 +154,11 @@ struct HiLoGemm {
                               fusion::Sm90ScalarBroadcast<float>, fusion::Sm90SrcFetch<Element>, AccPlusHi>;
   using Scaled = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,
                                  fusion::Sm90ScalarBroadcast<float>, Sum>;
-  using Callbacks = fusion::Sm90EVT<fusion::Sm90Compute<Residual, Element, float, kRound>,
-                                    fusion::Sm90EVT<HiStore, Scaled>>;
+  static constexpr bool kPair = kOutput == PairOutput::hi_and_lo;
+  using Callbacks = std::conditional_t<kPair,
+                                       fusion::Sm90EVT<fusion::Sm90Compute<Residual, Element, float, kRound>,
+                                                       fusion::Sm90EVT<HiStore, Scaled>>,
+                                       Scaled>;
 
   using Epilogue = L2PrefetchingEpilogue<
       typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -192,25 +197,25 @@ struct HiLoGemm {
     args.problem_shape = {static_cast<int>(M), static_cast<int>(N), static_cast<int>(rows), 1};
     args.mainloop = {reinterpret_cast<const Element*>(dz), stride_a, reinterpret_cast<const Element*>(x), stride_b};
     // Callbacks' arguments nest as the tree: {children..., node}.
-    typename Callbacks::Arguments thread{
-        {                                               // EVT<HiStore, Scaled>
-         {                                              // Scaled
-          {{scale.value}, {scale.device}},              //   scale (from the device where it is there)
-          {                                             //   Sum
-           {{overwrite ? 0.0f : 1.0f}},                 //     beta
-           {},                                          //     C = lo
-           {{}, {overwrite ? nullptr : hi_e, Element(0), stride_w}, {}},  // acc + hi (a null hi reads as 0)
-           {}},                                         //     multiply_add
-          {}},                                          //   multiplies
-         {hi_e, stride_w}},                             // hi = bf16(s)
-        {}};                                            // D = lo = s - hi
-    args.epilogue.thread = thread;
+    typename Scaled::Arguments scaled{
+        {{scale.value}, {scale.device}},                         // scale (from the device where it is there)
+        {                                                        // Sum
+         {{overwrite ? 0.0f : 1.0f}},                            //   beta
+         {},                                                     //   C = lo
+         {{}, {overwrite ? nullptr : hi_e, Element(0), stride_w}, {}},  // acc + hi (a null hi reads as 0)
+         {}},                                                    //   multiply_add
+        {}};                                                     // multiplies
+    if constexpr (kPair)
+      args.epilogue.thread = typename Callbacks::Arguments{{scaled, {hi_e, stride_w}},  // hi = bf16(s)
+                                                           {}};                         // D = lo = s - hi
+    else
+      args.epilogue.thread = scaled;  // D = hi = bf16(s)
     args.epilogue.prefetch[0] = overwrite ? nullptr : hi;
     args.epilogue.prefetch[1] = overwrite ? nullptr : lo;
     args.epilogue.ld = ld_w;
     args.epilogue.ptr_C = lo_e;
     args.epilogue.dC = stride_w;
-    args.epilogue.ptr_D = lo_e;
+    args.epilogue.ptr_D = kPair ? lo_e : hi_e;
     args.epilogue.dD = stride_w;
     args.hw_info = hw;
     return args;
@@ -238,9 +243,10 @@ struct HiLoGemm {
   }
 };
 
+template <PairOutput kOutput>
 using Cooperative128x256 =
     HiLoGemm<cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-             cutlass::epilogue::TmaWarpSpecializedCooperative>;
+             cutlass::epilogue::TmaWarpSpecializedCooperative, kOutput>;
 // The ping-pong tiles (64x256, 128x128) measured level with or behind it, and 128x16 epilogue tiles with four
 // mainloop stages, with or without a 2x1 cluster, slower (fused/cuda/BENCHMARKS.md).
 
@@ -252,14 +258,14 @@ bool hilo_gemm_available() { return promoted_logits_available(); }
 void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
                                  std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
                                  __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, Scale scale, cudaStream_t stream,
-                                 void* workspace, std::size_t workspace_bytes) {
+                                 void* workspace, std::size_t workspace_bytes, PairOutput output) {
   if (rows == 0 || M == 0 || N == 0) return;
   if (M % 8 != 0 || N % 8 != 0 || ld_dz % 8 != 0 || ld_x % 8 != 0 || ld_w % 8 != 0)
     throw CudaError("hi/lo weight GEMM: M=" + std::to_string(M) + " N=" + std::to_string(N) + " ld_dz=" +
                     std::to_string(ld_dz) + " ld_x=" + std::to_string(ld_x) + " ld_w=" + std::to_string(ld_w) +
                     " must all be multiples of 8 (16-byte TMA rows)");
-  Cooperative128x256::run(rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, scale, stream, workspace,
-                          workspace_bytes);
+  (output == PairOutput::hi ? Cooperative128x256<PairOutput::hi>::run : Cooperative128x256<PairOutput::hi_and_lo>::run)(
+      rows, M, N, dz, ld_dz, x, ld_x, hi, lo, ld_w, overwrite, scale, stream, workspace, workspace_bytes);
 }
 
 #else  // built without CUTLASS or without an sm_90a target: the runner keeps the fp32 accumulator
@@ -267,7 +273,7 @@ void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t
 bool hilo_gemm_available() { return false; }
 void hilo_accumulate_grad_weight(std::int64_t, std::int64_t, std::int64_t, const __nv_bfloat16*, std::int64_t,
                                  const __nv_bfloat16*, std::int64_t, __nv_bfloat16*, __nv_bfloat16*, std::int64_t, bool,
-                                 Scale, cudaStream_t, void*, std::size_t) {
+                                 Scale, cudaStream_t, void*, std::size_t, PairOutput) {
   throw CudaError("hi/lo weight GEMM: not built (needs CUTLASS and an sm_90a target)");
 }
 

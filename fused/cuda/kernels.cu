@@ -13,11 +13,12 @@
 //   row_coefficients_kernel   2               per row: k and k (1 - p_t) alone, where dz comes from the logits
 //                                             GEMM's epilogue (promoted_dz.h; the low-memory schedule)
 //   grad_x_finish_kernel      2               per row: grad_x = T(GEMM part + k (1 - p_t) W[target])
-//   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x, fp32 atomics (the low-memory
-//                                             schedule's vocabulary slices)
+//   target_scatter_kernel     2               per row: grad_W[target] += k (1 - p_t) x, fp32 atomics (the
+//                                             vocabulary-parallel ranks' shards)
 //   bias_column_sums_kernel   2               grad_bias += column sums of dz and the target terms, rows in order
 //   target_rows_kernel        2               grad_W[target] += k (1 - p_t) x into the hi/lo pair (hilo_gemm.h) or an
-//                                             fp32 accumulator: per target, one block sums its rows and adds once
+//                                             fp32 accumulator, or their rows of one vocabulary slice (the low-memory
+//                                             schedule): per target, one block sums its rows and adds once
 //   hilo_tail_kernel          2               the last V % 8 rows of dz^T x into the hi/lo pair (the GEMM's TMA
 //                                             takes whole groups of 8)
 //   round_to_kernel           end             the fp32 grad_weight / grad_bias accumulators into the outputs
@@ -311,12 +312,11 @@ __global__ void __launch_bounds__(kRowThreads) grad_x_finish_kernel(const float*
 __global__ void __launch_bounds__(kRowThreads) target_scatter_kernel(const __nv_bfloat16* x, std::int64_t row_begin,
                                                                     std::int64_t H, std::int64_t ld_h,
                                                                     const std::int64_t* target, const float* coef,
-                                                                    float* grad_weight, float* grad_bias,
-                                                                    std::int64_t v_begin, std::int64_t v_end) {
+                                                                    float* grad_weight, float* grad_bias) {
   const std::int64_t r = row_begin + blockIdx.x;
   const float c = coef[r];
-  if (c == 0.0f || target[r] < v_begin || target[r] >= v_end) return;
-  const std::int64_t t = target[r] - v_begin;
+  if (c == 0.0f) return;
+  const std::int64_t t = target[r];
   const __nv_bfloat16* xr = x + r * ld_h;
   if (grad_weight != nullptr) {  // null: the bias's term alone (the hi/lo pair takes the weight's: target_rows_kernel)
     float* gw = grad_weight + t * ld_h;
@@ -364,7 +364,7 @@ __device__ inline void hilo_store(__nv_bfloat16* hi, __nv_bfloat16* lo, float s)
   *lo = __float2bfloat16_rn(s - __bfloat162float(h));
 }
 
-// One block per chunk row r with a nonzero target coefficient. The block of the first such row of each target t
+// One block per chunk row r with a nonzero target coefficient and a target in [v_begin, v_end). The block of the first such row of each target t
 // (its leader; the others return) sums c[r'] x[r'] over every row r' of the chunk with target t, in chunk order
 // (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum times `scale` into row t
 // once: of the hi/lo pair, or of an fp32 accumulator (`f32` not null).
@@ -375,11 +375,12 @@ __global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, st
                                                                       std::int64_t H, ChunkRows c,
                                                                       const std::int64_t* target, const float* coef,
                                                                       __nv_bfloat16* hi, __nv_bfloat16* lo, float* f32,
-                                                                      std::int64_t ld_w, Scale scale_of) {
+                                                                      std::int64_t ld_w, Scale scale_of,
+                                                                      std::int64_t v_begin, std::int64_t v_end) {
   const std::int64_t n = c.rows[0] + c.rows[1], j = blockIdx.x, r = chunk_row(c, j);
-  if (coef[r] == 0.0f) return;  // block-uniform
-  const float scale = value_of(scale_of);
   const std::int64_t t = target[r];
+  if (coef[r] == 0.0f || t < v_begin || t >= v_end) return;  // block-uniform
+  const float scale = value_of(scale_of);
   bool earlier = false;
   for (std::int64_t i = threadIdx.x; i < j; i += kRowThreads) {
     const std::int64_t ri = chunk_row(c, i);
@@ -429,8 +430,9 @@ __global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, st
       const std::int64_t h = h0 + q * kRowThreads + threadIdx.x;
       if (h >= H) continue;
       const float add = sum[q] * scale;  // exact at scale 1
-      if (f32 != nullptr) f32[t * ld_w + h] += add;
-      else hilo_store(hi + t * ld_w + h, lo + t * ld_w + h, hilo_value(hi + t * ld_w + h, lo + t * ld_w + h) + add);
+      const std::int64_t at = (t - v_begin) * ld_w + h;
+      if (f32 != nullptr) f32[at] += add;
+      else hilo_store(hi + at, lo + at, hilo_value(hi + at, lo + at) + add);
     }
   }
 }
@@ -603,11 +605,10 @@ void launch_grad_x_finish(const float* part, std::int64_t rows, std::int64_t row
 
 void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
                            std::int64_t ld_h, const std::int64_t* target, const float* target_coef,
-                           float* grad_weight, float* grad_bias, cudaStream_t stream, std::int64_t v_begin,
-                           std::int64_t v_end) {
+                           float* grad_weight, float* grad_bias, cudaStream_t stream) {
   if (rows == 0) return;
   target_scatter_kernel<<<grid_rows(rows), kRowThreads, 0, stream>>>(x, row_begin, H, ld_h, target, target_coef,
-                                                                     grad_weight, grad_bias, v_begin, v_end);
+                                                                     grad_weight, grad_bias);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -662,7 +663,8 @@ void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const Chu
   const std::int64_t n = rows.rows[0] + rows.rows[1];
   if (n == 0 || H == 0) return;
   target_rows_kernel<<<grid_rows(n), kRowThreads, 0, stream>>>(x, ld_x, H, rows, target, target_coef, sink.hi, sink.lo,
-                                                               sink.f32, sink.ld_w, sink.scale);
+                                                               sink.f32, sink.ld_w, sink.scale, sink.v_begin,
+                                                               sink.v_end);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 

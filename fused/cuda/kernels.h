@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 namespace simpo::fused::cuda {
@@ -124,13 +125,11 @@ void launch_grad_x_finish(const float* grad_x_part, std::int64_t rows, std::int6
                           T* grad_x_out, cudaStream_t, T* grad_x_lo = nullptr);
 
 // The target term of the weight and bias gradients: grad_weight[target[r]] += c[r] x[r], grad_bias[target[r]]
-// += c[r] (grad_weight and grad_bias may each be null), fp32 atomics (rows sharing a target add into one row).
-// Only targets in [v_begin, v_end) add, and both outputs' row 0 is vocabulary row v_begin (a slice of the
-// vocabulary: the low-memory schedule's grad_W slice buffer).
+// += c[r] (grad_weight and grad_bias may each be null), fp32 atomics (rows sharing a target add into one row, in
+// no fixed order: the vocabulary-parallel ranks, which declare no determinism).
 void launch_target_scatter(const __nv_bfloat16* x, std::int64_t rows, std::int64_t row_begin, std::int64_t H,
                            std::int64_t ld_h, const std::int64_t* target, const float* target_coef, float* grad_weight,
-                           float* grad_bias, cudaStream_t, std::int64_t v_begin = 0,
-                           std::int64_t v_end = INT64_MAX);
+                           float* grad_bias, cudaStream_t);
 
 // A chunk's rows as global row ranges: part 0 then part 1 (a three_pass chunk's chosen rows, then its rejected
 // rows); rows[1] = 0 for a chunk of one range.
@@ -156,13 +155,15 @@ struct Scale {
 
 // Where the target term goes: the bf16 hi/lo pair (hilo_gemm.h; hi, lo [V, ld_w]) or an fp32 accumulator [V, ld_w].
 // Each target's sum is added times `scale` (1 but for a deferred finish's loss scale: fused.h,
-// finish_weight_gradient_on_device).
+// finish_weight_gradient_on_device). Only targets in [v_begin, v_end) add, and the sink's row 0 is vocabulary row
+// v_begin (the low-memory schedule's slice of the vocabulary; the whole of it by default).
 struct TargetRowsSink {
   __nv_bfloat16* hi = nullptr;
   __nv_bfloat16* lo = nullptr;
   float* f32 = nullptr;
   std::int64_t ld_w = 0;
   Scale scale;
+  std::int64_t v_begin = 0, v_end = INT64_MAX;
 };
 // The target term grad_W[target[r]] += c[r] x[r] over the chunk's rows, summed per target in fp32 in chunk order
 // and added into the sink once per target (deterministic, no atomics). The bias's target term is

@@ -85,21 +85,22 @@ void place_chunk_buffers(Layout& l, const Shape& s, std::int64_t rows, bool grad
 }
 
 // The low-memory backward's tile shape. Each vocabulary slice after the first reads and writes the fp32 grad_x
-// accumulator ([N, ld_h]) once, and each row block after the first the slice's fp32 grad_W rows, so with S_v
-// slices and S_r blocks the accumulators move ~8 H (S_v N + S_r V) bytes (the GEMMs' bf16 operands in the same
-// proportion). The shape is the one of least S_v N + S_r V that fits the region, rows in multiples of 128 (the
-// GEMM's M tile) or all N, columns in multiples of 192 (whole tiles of the promoted GEMM: a partial tile costs a
-// whole one, and every slice start stays 16-byte aligned).
+// accumulator ([N, ld_h]) once, and each row block after the first the slice's grad_W rows (fp32, or the hi/lo
+// pair: 8 bytes an element either way), so with S_v slices and S_r blocks the accumulators move ~8 H (S_v N + S_r V)
+// bytes (the GEMMs' bf16 operands in the same proportion). The shape is the one of least S_v N + S_r V that fits
+// the region, rows in multiples of 128 (the GEMM's M tile) or all N, columns in multiples of 192 (whole tiles of
+// the promoted GEMM: a partial tile costs a whole one, and every slice start stays 16-byte aligned). A slice column
+// takes `slice_column_bytes` of the region beside the tile's (its grad_W row where the outputs do not hold it).
 struct BackwardTile {
   std::int64_t rows = 0, columns = 0;
 };
-BackwardTile backward_tile(std::int64_t N, std::int64_t V, std::int64_t ld_h, std::int64_t region,
-                           std::int64_t element_bytes, bool grad_w_slice) {
+BackwardTile backward_tile(std::int64_t N, std::int64_t V, std::int64_t region, std::int64_t element_bytes,
+                           std::int64_t slice_column_bytes) {
   const std::int64_t max_columns = (V + 191) / 192 * 192;
   BackwardTile best;
   double best_cost = 0;
   auto consider = [&](std::int64_t rows) {
-    const std::int64_t per_column = rows * element_bytes + (grad_w_slice ? ld_h * 4 : 0);
+    const std::int64_t per_column = rows * element_bytes + slice_column_bytes;
     const std::int64_t columns = std::min(max_columns, (region - 2 * kAlign) / per_column / 192 * 192);
     if (columns <= 0) return;
     const double cost = static_cast<double>((V + columns - 1) / columns) * static_cast<double>(N) +
@@ -113,14 +114,14 @@ BackwardTile backward_tile(std::int64_t N, std::int64_t V, std::int64_t ld_h, st
 
 // The low-memory layout after `fixed`; total in `total`. Not fits() when the budget has no room for it.
 SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, const Layout& fixed, std::int64_t tiles,
-                           bool dz_in_epilogue, bool grad_w_slice, std::int64_t& total) {
+                           bool dz_in_epilogue, std::int64_t slice_column_bytes, std::int64_t& total) {
   SlicedLayout l;
-  const std::int64_t N = s.N(), ld_h = padded(s.H);
+  const std::int64_t N = s.N();
   l.row_k = fixed.fixed - kChunkBuffers * kAlign;
   const std::int64_t start = l.row_k + align_up(N * 4), region = budget - fixed.fixed - align_up(N * 4);
   if (region <= 0) return l;
   l.stat_rows = std::min(N, region / (tiles * 16));
-  const BackwardTile tile = backward_tile(N, s.V, ld_h, region, dz_in_epilogue ? 2 : 4, grad_w_slice);
+  const BackwardTile tile = backward_tile(N, s.V, region, dz_in_epilogue ? 2 : 4, slice_column_bytes);
   l.block_rows = tile.rows;
   l.slice_columns = tile.columns;
   if (!l.fits()) return l;
@@ -130,7 +131,7 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, const Layout& fi
   const std::int64_t end_stats = l.tile_sum + align_up(tiles * l.stat_rows * 8);
   l.tile = start;
   l.grad_w_slice = l.tile + align_up(l.block_rows * l.slice_columns * (dz_in_epilogue ? 2 : 4));
-  const std::int64_t end_slice = l.grad_w_slice + align_up(grad_w_slice ? l.slice_columns * ld_h * 4 : 0);
+  const std::int64_t end_slice = l.grad_w_slice + align_up(l.slice_columns * slice_column_bytes);
   total = std::max(end_stats, end_slice);
   return l;
 }
@@ -173,6 +174,7 @@ std::string StepPlan::grad_weight_form() const {
     case GradWeight::none: return "none";
     case GradWeight::hilo: return "bf16 hi/lo pair";
     case GradWeight::sliced: return "fp32 per vocabulary slice";
+    case GradWeight::sliced_hilo: return "bf16 hi/lo pair per vocabulary slice";
     default: return "fp32 accumulator";
   }
 }
@@ -220,9 +222,14 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
   if (low_memory_possible) {
     const Layout fixed = fixed_layout(s, budget, /*gradients=*/true, tiles, 4, element);
     const bool dz_in_epilogue = V % 8 == 0;  // its bf16 TMA store takes groups of 8 columns
+    // The slice's grad_W in the hi/lo pair over the bf16 output where the hi/lo GEMM runs (as the chunked step's),
+    // else in fp32: the caller's fp32 rows, or the workspace's.
+    const bool slice_hilo =
+        !outputs->grad_weight_f32 && device.sm90_kernels && H % 8 == 0 && !tuning.fp32_grad_w_slices;
+    const std::int64_t slice_column_bytes =
+        outputs->grad_weight_f32 ? 0 : slice_hilo ? (outputs->grad_weight_lo ? 0 : H * 2) : ld_h * 4;
     std::int64_t total = 0;
-    const SlicedLayout sliced =
-        sliced_layout(s, budget, fixed, tiles, dz_in_epilogue, /*grad_w_slice=*/!outputs->grad_weight_f32, total);
+    const SlicedLayout sliced = sliced_layout(s, budget, fixed, tiles, dz_in_epilogue, slice_column_bytes, total);
     if (sliced.fits()) {
       plan.low_memory = true;
       plan.layout = fixed;
@@ -238,7 +245,7 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
       plan.vocab_slices = (V + sliced.slice_columns - 1) / sliced.slice_columns;
       plan.block_rows = sliced.block_rows;
       plan.row_blocks = (N + sliced.block_rows - 1) / sliced.block_rows;
-      plan.grad_weight = StepPlan::GradWeight::sliced;
+      plan.grad_weight = slice_hilo ? StepPlan::GradWeight::sliced_hilo : StepPlan::GradWeight::sliced;
       plan.accumulator_bytes = N * ld_h * 4;
       plan.regions = fixed_regions(s, fixed);
       plan.regions.push_back({"row coefficients k", sliced.row_k, N * 4, {}});
@@ -249,9 +256,9 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
       const std::string statistics = "statistics pass: tile partials";
       plan.regions.push_back({"backward: tile", sliced.tile, sliced.block_rows * sliced.slice_columns * element,
                               statistics});
-      if (!outputs->grad_weight_f32)
-        plan.regions.push_back(
-            {"backward: grad_W slice", sliced.grad_w_slice, sliced.slice_columns * ld_h * 4, statistics});
+      if (slice_column_bytes > 0)
+        plan.regions.push_back({slice_hilo ? "backward: grad_W slice's lo" : "backward: grad_W slice",
+                                sliced.grad_w_slice, sliced.slice_columns * slice_column_bytes, statistics});
       return plan;
     }
   }

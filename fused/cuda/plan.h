@@ -58,6 +58,9 @@ struct Tuning {
   // beside the weight it streams. Where it also stores the chunk's distances, one launch per chunk measured as fast
   // (BENCHMARKS.md).
   std::int64_t statistics_launch_rows = 2048;
+  // The low-memory schedule's grad_W slices in fp32 rows even where the hi/lo pair runs (as it does for H % 8 != 0
+  // and fp32 outputs): the form the pair replaced, for timing the two in one process (cuda_bench).
+  bool fp32_grad_w_slices = false;
 };
 
 // The bytes of a step's workspace, in order: cuBLASLt scratch, the [N] row statistics and [B] sequence arrays that
@@ -85,7 +88,9 @@ struct Layout {
 // The low-memory schedule's workspace: the fixed part as above, the rows' coefficients k, then one region used
 // twice: the statistics pass's tile partials for chunks of stat_rows token rows, then the backward's tile of
 // block_rows token rows by slice_columns vocabulary columns (its bf16 dz from the GEMM's epilogue, or fp32 logits
-// with dz in place) and, when no fp32 grad_weight output is given to write into, the slice's fp32 grad_W rows.
+// with dz in place) and the slice's grad_W accumulator where the caller's outputs do not hold it: the lo half of the
+// hi/lo pair (bf16; hi is the bf16 output's rows), or fp32 rows where the pair cannot run (none beside an fp32
+// grad_weight output, or the caller's lo).
 struct SlicedLayout {
   std::int64_t stat_rows = 0, block_rows = 0, slice_columns = 0;
   std::int64_t row_k = 0;
@@ -130,9 +135,12 @@ struct StepPlan {
   bool epilogue_statistics = false;  // the statistics pass reduces in the logits GEMM's epilogue
   enum class Kept { none, fp32, distances } kept = Kept::none;  // what a gradient chunk keeps for dz
   // Where grad_W accumulated: the caller's fp32 output, its fp32 buffer under a bf16 output, the runner's own fp32
-  // accumulator, the hi/lo pair (lo the runner's), or per vocabulary slice (the low-memory schedule writes each
-  // slice of the output once).
-  enum class GradWeight { none, f32_output, f32_caller, f32_own, hilo, sliced } grad_weight = GradWeight::none;
+  // accumulator, the hi/lo pair (lo the runner's), or per vocabulary slice (the low-memory schedule finishes each
+  // slice of the output before the next): in fp32 rows (`sliced`: the fp32 output's, or the workspace's rounded
+  // into the bf16 output) or in the hi/lo pair (`sliced_hilo`: hi the bf16 output's rows, lo the workspace's slice
+  // or the caller's lo; no rounding pass).
+  enum class GradWeight { none, f32_output, f32_caller, f32_own, hilo, sliced, sliced_hilo } grad_weight =
+      GradWeight::none;
   // Bytes of the runner's accumulator beside the workspace: lo of the hi/lo pair (V*H*2), an fp32 grad_W (V*ld_h*4),
   // or the low-memory schedule's fp32 grad_x (N*ld_h*4).
   std::int64_t accumulator_bytes = 0;

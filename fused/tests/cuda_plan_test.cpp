@@ -134,19 +134,47 @@ TEST(CudaPlan, DistancesKeepTwoBytesPerLogitWhereVIsAMultipleOf8) {
   EXPECT_EQ(plan_step(published, DType::BF16, distances, other, &bf16_output).kept, StepPlan::Kept::fp32);
 }
 
+// The grad_W slice: the hi/lo pair over a bf16 output (the slice's lo in the workspace, 2 bytes a weight, unless
+// the caller gives the lo), fp32 rows in the caller's fp32 output (nothing in the workspace), or the workspace's fp32
+// rows where the hi/lo GEMM cannot run (H % 8 != 0). The bytes a slice does not take go to wider slices.
 TEST(CudaPlan, SixtyFourMiBTakesTheLowMemorySchedule) {
   Options small;
   small.workspace_bytes = min_workspace_bytes;
-  for (const GradientOutputs* outputs : {&bf16_output, &f32_output}) {
-    const StepPlan plan = plan_step(published, DType::BF16, small, hopper, outputs);
-    SCOPED_TRACE(plan.to_string());
+  const GradientOutputs bf16_with_lo{.grad_weight_16bit = true, .grad_weight_lo = true};
+  const Shape odd_h{.B = 16, .T = 1024, .H = 4100, .V = 128256};
+  struct Form {
+    const char* what;
+    Shape shape;
+    const GradientOutputs* outputs;
+    StepPlan::GradWeight grad_weight;
+    std::int64_t slice_column_bytes;
+  };
+  std::int64_t bf16_columns = 0, lo_columns = 0, f32_columns = 0;
+  for (const Form& f : {Form{"bf16", published, &bf16_output, StepPlan::GradWeight::sliced_hilo, published.H * 2},
+                        Form{"bf16 + the caller's lo", published, &bf16_with_lo, StepPlan::GradWeight::sliced_hilo, 0},
+                        Form{"fp32", published, &f32_output, StepPlan::GradWeight::sliced, 0},
+                        Form{"bf16, H % 8 != 0", odd_h, &bf16_output, StepPlan::GradWeight::sliced,
+                             padded(odd_h.H) * 4}}) {
+    const StepPlan plan = plan_step(f.shape, DType::BF16, small, hopper, f.outputs);
+    SCOPED_TRACE(std::string(f.what) + ": " + plan.to_string());
     EXPECT_TRUE(plan.low_memory);
-    EXPECT_EQ(plan.grad_weight, StepPlan::GradWeight::sliced);
+    EXPECT_EQ(plan.grad_weight, f.grad_weight);
     EXPECT_EQ(plan.vocab_slice_columns % 192, 0);
-    EXPECT_EQ(plan.vocab_slices, (published.V + plan.vocab_slice_columns - 1) / plan.vocab_slice_columns);
+    EXPECT_EQ(plan.vocab_slices, (f.shape.V + plan.vocab_slice_columns - 1) / plan.vocab_slice_columns);
     EXPECT_LE(plan.workspace_bytes, small.workspace_bytes);
+    const auto slice = std::find_if(plan.regions.begin(), plan.regions.end(),
+                                    [](const Region& r) { return r.name.rfind("backward: grad_W slice", 0) == 0; });
+    EXPECT_EQ(slice == plan.regions.end() ? 0 : slice->bytes, plan.vocab_slice_columns * f.slice_column_bytes);
     expect_regions_disjoint(plan);
+    if (f.outputs == &bf16_output && f.shape.H == published.H) bf16_columns = plan.vocab_slice_columns;
+    if (f.outputs == &bf16_with_lo) lo_columns = plan.vocab_slice_columns;
+    if (f.outputs == &f32_output) f32_columns = plan.vocab_slice_columns;
   }
+  EXPECT_EQ(lo_columns, f32_columns) << "neither keeps a grad_W slice in the workspace";
+  const StepPlan fp32_rows = plan_step(odd_h, DType::BF16, small, hopper, &bf16_output);
+  EXPECT_GT(bf16_columns, fp32_rows.vocab_slice_columns) << "the pair's lo takes half the fp32 slice's bytes";
+  EXPECT_EQ(plan_step(published, DType::BF16, small, hopper, &bf16_output).grad_weight_form(),
+            "bf16 hi/lo pair per vocabulary slice");
   // Without the epilogue statistics: the two_pass fallback.
   const StepPlan fallback = plan_step(published, DType::BF16, small, other, &bf16_output);
   EXPECT_FALSE(fallback.low_memory);

@@ -88,6 +88,11 @@ int main(int argc, char** argv) {
                  "(-1, off)")
       ->capture_default_str();
   app.add_flag("--cublas-logits", tuning.cublas_logits, "the logits through cuBLAS even where the promoted GEMM runs");
+  app.add_flag("--fp32-grad-w-slices", tuning.fp32_grad_w_slices,
+               "the low-memory schedule's grad_W slices in fp32 rows instead of the hi/lo pair");
+  bool against_fp32_grad_w_slices = false;
+  app.add_flag("--against-fp32-grad-w-slices", against_fp32_grad_w_slices,
+               "also time the step with the other grad_W slice form in turns with this run's, and print their ratio");
   bool logit_distances = Options{}.logit_distances;
   app.add_flag("--logit-distances", logit_distances, "the full step keeps 16-bit logit distances");
   app.add_flag("--fp32-logits", fp32_logits, "the full step keeps fp32 logits");
@@ -218,7 +223,7 @@ int main(int argc, char** argv) {
                                                                time_it(stream, warmup, reps, floor_logits)}
                                          : time_interleaved(stream, warmup, reps, {fused_forward, floor_logits});
       const std::string forward_schedule = runner.last_report().schedule.to_string();
-      // --against-logits-k-slice / --against-statistics-launch-rows: the other setting's step and forward in turns with
+      // --against-*: the other setting's step and forward in turns with
       // this one's (same runner, inputs and outputs; neither changes a buffer), so their ratio is free of the drift
       // between runs.
       std::string against;
@@ -245,6 +250,11 @@ int main(int argc, char** argv) {
         Tuning other = tuning;
         other.statistics_launch_rows = against_statistics_launch_rows;
         time_against("statistics_launch_rows", against_statistics_launch_rows, options, forward_options, other);
+      }
+      if (against_fp32_grad_w_slices) {
+        Tuning other = tuning;
+        other.fp32_grad_w_slices = !tuning.fp32_grad_w_slices;
+        time_against("fp32_grad_w_slices", other.fp32_grad_w_slices, options, forward_options, other);
       }
       const Timing full = full_pair[0], floor_full = full_pair[1], forward = fwd_pair[0], floor_fwd = fwd_pair[1];
       SIMPO_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -14,7 +14,8 @@
 #                                                  NCU_B), dev (each dev/ experiment staged: those built with
 #                                                  `--target NAME`); logs in $OUT
 # Knobs (environment): FLOOR_ARGS (gemm_floor's arguments, default none: M = 2048 4096), BENCH_EXTRA (';'-separated cuda_bench argument sets, each run at every B), ACCURACY_EXTRA
-# (the same for fused_accuracy_table), SMALL_WORKSPACE, PEERS_JSON (default: bench/peers.json),
+# (the same for fused_accuracy_table), SMALL_WORKSPACE, LOW_MEMORY_ARGS (cuda_bench arguments added to the 64 MiB
+# run), PEERS_JSON (default: bench/peers.json),
 # MEMCHECK_FILTER/_TIMEOUT, RACECHECK_TESTS/_TIMEOUT/_ALL_ONLY, NCU_B/_COUNT/_TIMEOUT, DEV_ONLY/_ARGS/_TIMEOUT.
 set -u
 mode=${1:?stage or run}
@@ -103,7 +104,7 @@ if want bench; then
   done
   if [ "${SMALL_WORKSPACE:-1}" = 1 ]; then
     echo "== cuda_bench, 64 MiB workspace (the low-memory schedule)"
-    "$stage/cuda_bench" --B 16 --workspace-mib 64 --reps 5 2>&1 | tee -a "$OUT/bench.log"
+    "$stage/cuda_bench" --B 16 --workspace-mib 64 --reps 5 ${LOW_MEMORY_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
   fi
   python3 "$(dirname "$0")/speed_table.py" "$OUT/bench.log" --json "$OUT/speed.json" --png "$OUT/speed.png" \
     --peers "${PEERS_JSON:-$(dirname "$0")/peers.json}" 2>&1 | tee -a "$OUT/bench.log"

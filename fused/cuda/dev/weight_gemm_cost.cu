@@ -8,6 +8,7 @@
 //   floor_f32:   cuBLAS into fp32 with beta = 1 (an fp32 accumulator's read-modify-write)
 //   overwrite:   the hi/lo GEMM of a step's first chunk (stores hi and lo, reads nothing)
 //   accumulate:  the hi/lo GEMM of every later chunk (reads the pair, adds, stores both)
+//   finish:      the hi/lo GEMM of a step's last chunk after the first (reads the pair, adds, stores hi alone)
 //   plain:       the hi/lo GEMM's mainloop (128x256x64 cooperative, both operands MN-major) with CUTLASS's plain
 //                epilogue (bf16 D, no C)
 // so plain / floor is the mainloop, overwrite / plain the pair's epilogue, accumulate / overwrite the read. (x read
@@ -108,10 +109,10 @@ int main(int argc, char** argv) {
                                 int(H), dz.get(), CUDA_R_16BF, int(V), &one, out32.get(), CUDA_R_32F, int(H),
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
-    auto hilo = [&](bool overwrite) {
+    auto hilo = [&](bool overwrite, PairOutput output = PairOutput::hi_and_lo) {
       hilo_accumulate_grad_weight(K, V, H, dz.as<__nv_bfloat16>(), V, x.as<__nv_bfloat16>(), H,
                                   hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), H, overwrite, Scale{}, nullptr,
-                                  nullptr, 0);
+                                  nullptr, 0, output);
     };
 
     // Check: the first chunk's hi is cuBLAS's bf16 output to within one bf16 ulp (both round the fp32 sum once).
@@ -134,11 +135,12 @@ int main(int argc, char** argv) {
     auto plain = [&] {
       PlainGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), out.get(), int(H));
     };
-    const auto t = bench::time_interleaved(nullptr, 3, reps, {floor, floor_f32, [&] { hilo(true); },
-                                                               [&] { hilo(false); }, plain});
+    const auto t = bench::time_interleaved(
+        nullptr, 3, reps,
+        {floor, floor_f32, [&] { hilo(true); }, [&] { hilo(false); }, [&] { hilo(false, PairOutput::hi); }, plain});
     bench::print_gemm_timings(V, H, K, reps,
                               {"floor (cuBLAS, bf16 out)", "cuBLAS into fp32, beta = 1", "hi/lo, first chunk",
-                               "hi/lo, later chunk", "CUTLASS mainloop, bf16 out"},
+                               "hi/lo, later chunk", "hi/lo, last chunk (hi alone)", "CUTLASS mainloop, bf16 out"},
                               t);
     SIMPO_CUBLAS_CHECK(cublasDestroy(blas));
   } catch (const std::exception& e) {

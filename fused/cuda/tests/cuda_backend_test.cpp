@@ -304,14 +304,16 @@ double half_ulp_bf16(double e) { return e == 0 ? 0 : std::ldexp(1.0, std::ilogb(
 //                     + K_i 2^-23 sum |dz x|   (the tensor cores' fp32 accumulation over the chunk's K_i rows)
 //                     + 2^-22 (|s_i| + sum |dz x|)  (the epilogue's two fp32 additions)
 // and hi is s rounded to nearest: within half a bf16 ulp of the exact sum plus that bound. hi and lo start as NaN:
-// the first chunk must write them without reading.
+// the first chunk must write them without reading. Then a fifth chunk as a step's last (PairOutput::hi): hi is the
+// whole sum rounded to nearest as above, and lo is read but not written.
 TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::hilo_gemm_available())
     GTEST_SKIP() << "the hi/lo weight GEMM needs a build with CUTLASS and a device of compute capability 9.0";
   const std::int64_t M = 264, N = 136, ld_dz = 2 * 272;
-  const std::vector<std::int64_t> chunk_rows = {100, 1, 300, 37};
-  const double scales[] = {1.0, 0.5, 2.0, 0.01};  // later chunks smaller and larger than the first
+  const std::vector<std::int64_t> chunk_rows = {100, 1, 300, 37, 64};
+  const double scales[] = {1.0, 0.5, 2.0, 0.01, 0.7};  // later chunks smaller and larger than the first
+  const std::size_t finish = chunk_rows.size() - 1;
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   cuda::DeviceBuffer hi(M * N * 2, "hi"), lo(M * N * 2, "lo"), scratch(std::size_t{32} << 20, "scratch");
@@ -320,15 +322,38 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
     ASSERT_EQ(cudaMemset(hi.get(), 0xFF, hi.bytes()), cudaSuccess);  // 0xFFFF: a bf16 NaN
     ASSERT_EQ(cudaMemset(lo.get(), 0xFF, lo.bytes()), cudaSuccess);
     std::vector<double> exact(M * N, 0.0), bound(M * N, 0.0);
+    std::vector<bf16> hi_h(M * N), lo_h(M * N), lo_before(M * N);
+    auto check = [&](bool pair) {
+      ASSERT_EQ(cudaMemcpy(hi_h.data(), hi.get(), hi.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(lo_h.data(), lo.get(), lo.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+      int pair_misses = 0, rounding_misses = 0, not_nearest = 0;
+      for (std::int64_t i = 0; i < M * N; ++i) {
+        const double h = float(hi_h[i]), l = float(lo_h[i]), e = exact[i], b = 1.01 * bound[i];
+        pair_misses += !(std::abs(h + l - e) <= b);  // NaN counts as a miss
+        rounding_misses += !(std::abs(h - e) <= half_ulp_bf16(std::abs(e) + b) + b);
+        not_nearest += double(float(bf16(float(e)))) != h;
+      }
+      if (pair) EXPECT_EQ(pair_misses, 0) << "hi + lo outside the error model";
+      EXPECT_EQ(rounding_misses, 0) << "hi not the nearest bf16 of the sum (to within the model)";
+      // Most elements are nowhere near a rounding tie: hi is then exactly bf16(exact). (The model allows a flip
+      // within ~2^-8 ulp of a tie per chunk: a fraction ~2^-5 here at the most; measured far below.)
+      EXPECT_LE(not_nearest, M * N / 32);
+    };
     for (std::size_t i = 0; i < chunk_rows.size(); ++i) {
       const std::int64_t K = chunk_rows[i];
       const std::vector<bf16> dz = random_bf16(K * ld_dz, scales[i], rng), x = random_bf16(K * N, 1.0, rng);
       cuda::DeviceBuffer dz_d(dz.size() * 2, "dz"), x_d(x.size() * 2, "x");
       ASSERT_EQ(cudaMemcpy(dz_d.get(), dz.data(), dz.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(x_d.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      if (i == finish) {
+        SCOPED_TRACE("four chunks into the pair");
+        check(/*pair=*/true);
+        lo_before = lo_h;
+      }
       cuda::hilo_accumulate_grad_weight(K, M, N, dz_d.as<__nv_bfloat16>(), ld_dz, x_d.as<__nv_bfloat16>(), N,
                                         hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(), N, /*overwrite=*/i == 0,
-                                        cuda::Scale{}, stream, scratch.get(), scratch.bytes());
+                                        cuda::Scale{}, stream, scratch.get(), scratch.bytes(),
+                                        i == finish ? cuda::PairOutput::hi : cuda::PairOutput::hi_and_lo);
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       for (std::int64_t m = 0; m < M; ++m)
         for (std::int64_t n = 0; n < N; ++n) {
@@ -344,21 +369,9 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
                               std::ldexp(std::abs(e) + abs_sum, -22);
         }
     }
-    std::vector<bf16> hi_h(M * N), lo_h(M * N);
-    ASSERT_EQ(cudaMemcpy(hi_h.data(), hi.get(), hi.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(lo_h.data(), lo.get(), lo.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
-    int pair_misses = 0, rounding_misses = 0, not_nearest = 0;
-    for (std::int64_t i = 0; i < M * N; ++i) {
-      const double h = float(hi_h[i]), l = float(lo_h[i]), e = exact[i], b = 1.01 * bound[i];
-      pair_misses += !(std::abs(h + l - e) <= b);  // NaN counts as a miss
-      rounding_misses += !(std::abs(h - e) <= half_ulp_bf16(std::abs(e) + b) + b);
-      not_nearest += double(float(bf16(float(e)))) != h;
-    }
-    EXPECT_EQ(pair_misses, 0) << "hi + lo outside the error model";
-    EXPECT_EQ(rounding_misses, 0) << "hi not the nearest bf16 of the sum (to within the model)";
-    // Most elements are nowhere near a rounding tie: hi is then exactly bf16(exact). (The model allows a flip
-    // within ~2^-8 ulp of a tie per chunk: a fraction ~2^-5 here at the most; measured far below.)
-    EXPECT_LE(not_nearest, M * N / 32);
+    SCOPED_TRACE("and a last chunk into hi alone");
+    check(/*pair=*/false);
+    EXPECT_EQ(std::memcmp(lo_h.data(), lo_before.data(), lo_h.size() * 2), 0) << "the last chunk wrote lo";
   }
   cudaStreamDestroy(stream);
 }
@@ -434,7 +447,8 @@ TEST(CudaBackendSchedules, HiLoRunnerKeepsNoFp32AccumulatorAndNoDzBuffer) {
 
 // The backend's declaration to the verifier (deterministic: verifier/implementation.cpp): the same inputs give the
 // same bits, with a bias and many rows per target (V = 44: the target terms of grad_W and grad_bias sum many rows
-// into one row), in both grad_weight forms (the hi/lo pair, the fp32 accumulator) and both schedules.
+// into one row), in both grad_weight forms (the hi/lo pair, the fp32 accumulator) and every schedule (the
+// low-memory one's included).
 TEST(CudaBackendFeatures, RerunsAreBitIdentical) {
   SKIP_WITHOUT_DEVICE();
   CaseSpec spec = spec_of({.B = 4, .T = 100, .H = 96, .V = 44}, 30.0, 59);
@@ -442,14 +456,23 @@ TEST(CudaBackendFeatures, RerunsAreBitIdentical) {
   spec.ignore = IgnorePattern::random;
   const Problem problem = generate(spec);
   for (const bool f32 : {false, true})
-    for (const std::int64_t chunk_rows : {std::int64_t{0}, spec.shape.T - 1}) {
-      SCOPED_TRACE(std::string(f32 ? "fp32" : "bf16") + " grad_weight, max_chunk_rows " + std::to_string(chunk_rows));
+    for (const std::int64_t chunk_rows : {std::int64_t{0}, spec.shape.T - 1, std::int64_t{-1}}) {
+      // -1: the low-memory schedule (where it runs), whose slice's target terms also add per target in row order
+      const bool low_memory = chunk_rows < 0;
+      if (low_memory && !cuda::promoted_stats_available()) continue;
+      SCOPED_TRACE(std::string(f32 ? "fp32" : "bf16") + " grad_weight, " +
+                   (low_memory ? "low-memory schedule" : "max_chunk_rows " + std::to_string(chunk_rows)));
       Options options = cuda_options();
       options.grad_weight_f32 = f32;
-      options.max_chunk_rows = chunk_rows;
-      const TensorMap first = cuda::compute(problem, options);
+      options.max_chunk_rows = std::max<std::int64_t>(chunk_rows, 0);
+      cuda::Tuning tuning;
+      if (low_memory) {
+        options.workspace_bytes = std::int64_t{1} << 20;
+        tuning.low_memory = cuda::Tuning::LowMemory::always;
+      }
+      const TensorMap first = cuda::compute(problem, options, tuning);
       for (int run = 0; run < 3; ++run) {
-        const TensorMap again = cuda::compute(problem, options);
+        const TensorMap again = cuda::compute(problem, options, tuning);
         for (const auto& [name, t] : first) EXPECT_EQ(again.at(name).bytes, t.bytes) << name << ", rerun " << run;
       }
     }
@@ -1119,14 +1142,14 @@ TEST(CudaBackendSchedules, StatisticsInLaunchesOfFewRowsAreBitIdentical) {
 
 // The low-memory schedule (Tuning::low_memory): statistics from the epilogue, then the backward a tile (a
 // vocabulary slice by a block of rows) at a time, its dz from the recomputing GEMM's epilogue where V % 8 == 0
-// (promoted_dz.h) and from dz_kernel over fp32 tile logits otherwise. With a 1 MiB budget: V = 1000 two slices of
-// all 200 rows with a bf16 grad_weight (the second slice partial), one with an fp32 one; V = 196 one slice (its
-// statistics pass has a 4-column last tile; dz_kernel); N = 1200 rows of V = 6000 (epilogue dz) in 11 slices of 3
-// or 2 row blocks, and of V = 6004 (dz_kernel) in 16 slices of 4 or 3, the last block and slice partial, so grad_W
-// accumulates over row blocks and grad_x over slices in both dz paths; with a bias (but V = 6000: the epilogue's
-// kernel without one), random ignored rows, an ignore_index inside [0, V), label smoothing, and both grad_weight
-// forms (bf16: rounded from the workspace's fp32 slice; fp32: accumulated in place). Against the reference's bar,
-// and against three_pass to fp32 noise.
+// (promoted_dz.h) and from dz_kernel over fp32 tile logits otherwise. With a 1 MiB budget: V = 1000 one slice of
+// all 200 rows; V = 196 one slice (its statistics pass has a 4-column last tile; dz_kernel); N = 1200 rows of V =
+// 6000 (epilogue dz) in 11 slices of 2 row blocks, and of V = 6004 (dz_kernel) in 16 slices of 3 (the last slice's
+// last 4 columns through hilo_tail_kernel), the last block and slice partial, so grad_W accumulates over row blocks
+// and grad_x over slices in both dz paths; with a bias (but V = 6000: the epilogue's kernel without one), random
+// ignored rows, an ignore_index inside [0, V), label smoothing, and the grad_weight forms: bf16 (the hi/lo pair,
+// lo the workspace's slice, or the caller's: then lo is hi's rounding residue) and fp32 (accumulated in place).
+// Against the reference's bar, and against three_pass to fp32 noise.
 TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
   SKIP_WITHOUT_DEVICE();
   if (!cuda::promoted_stats_available())
@@ -1174,16 +1197,35 @@ TEST(CudaBackendSchedules, LowMemoryScheduleMeetsTheBarAndAgreesWithThreePass) {
       EXPECT_TRUE(R == N || R % 128 == 0) << "row blocks are whole M tiles of the GEMM, or all rows";
       EXPECT_EQ(report.row_blocks, (N + R - 1) / R);
       // The shapes the comment above promises (the tile's cost model, plan.cpp's backward_tile).
-      const std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> slices_blocks =
-          f32 ? std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>{{1000, {1, 1}}, {196, {1, 1}},
-                                                                              {6000, {11, 2}}, {6004, {16, 3}}}
-              : std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>>{{1000, {2, 1}}, {196, {1, 1}},
-                                                                              {6000, {11, 3}}, {6004, {16, 4}}};
+      const std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> slices_blocks{
+          {1000, {1, 1}}, {196, {1, 1}}, {6000, {11, 2}}, {6004, {16, 3}}};
       EXPECT_EQ(report.vocab_slices, slices_blocks.at(shape.V).first);
       EXPECT_EQ(report.row_blocks, slices_blocks.at(shape.V).second);
-      EXPECT_EQ(report.grad_weight, cuda::RunReport::GradWeight::sliced);
+      EXPECT_EQ(report.grad_weight,
+                f32 ? cuda::RunReport::GradWeight::sliced : cuda::RunReport::GradWeight::sliced_hilo);
       EXPECT_EQ(report.accumulator_bytes, N * ld_h * 4);
       EXPECT_LE(report.workspace_bytes, options.workspace_bytes);
+      if (f32) continue;
+      // The caller's lo (DeviceCall::grad_weight_lo): the pair's lo is the output, each element hi's rounding
+      // residue (|lo| at most half an ulp of hi: 2^-8 |hi|), and hi meets the bar.
+      cuda::DeviceBuffer lo(shape.V * shape.H * 2, "grad_weight_lo");
+      gradients.grad_weight_lo = lo.as<__nv_bfloat16>();
+      runner.run(inputs.problem, &gradients, options, tuning);
+      EXPECT_EQ(runner.last_report().grad_weight, cuda::RunReport::GradWeight::sliced_hilo);
+      std::vector<bf16> hi(shape.V * shape.H), residue(shape.V * shape.H);
+      ASSERT_EQ(cudaMemcpy(hi.data(), grad_w.get(), hi.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(residue.data(), lo.get(), residue.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      std::size_t nonzero = 0;
+      for (std::size_t i = 0; i < hi.size(); ++i) {
+        const double h = static_cast<float>(hi[i]), l = static_cast<float>(residue[i]);
+        nonzero += l != 0.0;
+        ASSERT_LE(std::abs(l), half_ulp_bf16(std::abs(h))) << "grad_weight[" << i << "]: hi " << h << ", lo " << l;
+      }
+      EXPECT_GT(nonzero, hi.size() / 2) << "lo carries the sums' lower bits";
+      TensorMap with_lo = out;
+      with_lo.at(output_name::grad_weight) =
+          Tensor::from<bf16>(out.at(output_name::grad_weight).shape, std::span<const bf16>(hi));
+      expect_meets_bar(with_lo, exact, spec.logit_scale);
     }
   }
 }
