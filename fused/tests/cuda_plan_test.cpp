@@ -175,6 +175,11 @@ TEST(CudaPlan, SixtyFourMiBTakesTheLowMemorySchedule) {
   EXPECT_GT(bf16_columns, fp32_rows.vocab_slice_columns) << "the pair's lo takes half the fp32 slice's bytes";
   EXPECT_EQ(plan_step(published, DType::BF16, small, hopper, &bf16_output).grad_weight_form(),
             "bf16 hi/lo pair per vocabulary slice");
+  // Tuning::fp32_grad_w_slices: the fp32 rows where the pair would run (cuda_bench --against-fp32-grad-w-slices).
+  const StepPlan fp32_slices = plan_step(published, DType::BF16, small, hopper, &bf16_output,
+                                         Tuning{.fp32_grad_w_slices = true});
+  EXPECT_EQ(fp32_slices.grad_weight, StepPlan::GradWeight::sliced);
+  EXPECT_LT(fp32_slices.vocab_slice_columns, bf16_columns);
   // Without the epilogue statistics: the two_pass fallback.
   const StepPlan fallback = plan_step(published, DType::BF16, small, other, &bf16_output);
   EXPECT_FALSE(fallback.low_memory);
