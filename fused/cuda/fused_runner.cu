@@ -552,7 +552,7 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
                               .v_end = v0 + columns};
     auto add_target_terms = [&] {
       launch_target_rows(p.x, ld_h, H, ChunkRows{.begin = {0, 0}, .rows = {N, 0}}, p.target, rows.target_coef, sink,
-                         stream, at<std::int32_t>(base, l.target_list));
+                         stream);
     };
     for (std::int64_t r0 = 0; r0 < N; r0 += R) {
       const std::int64_t block = std::min(R, N - r0);
