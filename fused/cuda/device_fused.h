@@ -81,8 +81,8 @@ DeviceFeatures device_features();
 
 // One chunk's weight gradient into the bf16 hi/lo pair (hilo_gemm.h): the GEMM over the whole groups of 8 rows of
 // W, hilo_tail_kernel over the last V % 8, then the one-hot target term, per target once (launch_target_rows), each
-// step scaled by `scale` (accumulate_hilo_chunk; a finish's terms come first). What a chunk's backward runs with scale 1, and what a deferred
-// finish runs with the loss scale.
+// step scaled by `scale` (accumulate_hilo_chunk; a finish's terms come first). What a chunk's backward runs with
+// scale 1, and what a deferred finish runs with the loss scale.
 struct HiLoChunk {
   std::int64_t rows = 0, V = 0, H = 0;
   const __nv_bfloat16* dz = nullptr;  // [rows, ld_dz]

@@ -35,12 +35,12 @@ bool hilo_gemm_available();
 enum class PairOutput { hi_and_lo, hi };
 
 // hi, lo [M, ld_w] (bf16, row-major, first N columns) = scale (hi + lo + dz[rows, M]^T x[rows, N]); `overwrite`: the
-// first term (hi and lo are written, never read: no clearing beforehand); PairOutput::hi: hi = bf16(that sum) alone. At scale 1 the pair's sum is the GEMM's
-// bit for bit (the product by 1 is exact). dz is [rows, ld_dz] (row-major; the fused runner's in-place dz has ld_dz
-// = 2 * ld_logits), x is [rows, ld_x]. Requirements (TMA): M, N, ld_dz, ld_x and ld_w multiples of 8, every pointer
-// 16-byte aligned. `scale` may be a float on the device (read when the kernel runs). `workspace` is the kernel's
-// scratch (the persistent scheduler takes none: a null one of 0 bytes is fine). Throws CudaError when it cannot run
-// the shape or was not built.
+// first term (hi and lo are written, never read: no clearing beforehand); PairOutput::hi: hi = bf16(that sum) alone. At
+// scale 1 the pair's sum is the GEMM's bit for bit (the product by 1 is exact). dz is [rows, ld_dz] (row-major; the
+// fused runner's in-place dz has ld_dz = 2 * ld_logits), x is [rows, ld_x]. Requirements (TMA): M, N, ld_dz, ld_x and
+// ld_w multiples of 8, every pointer 16-byte aligned. `scale` may be a float on the device (read when the kernel runs).
+// `workspace` is the kernel's scratch (the persistent scheduler takes none: a null one of 0 bytes is fine). Throws
+// CudaError when it cannot run the shape or was not built.
 void hilo_accumulate_grad_weight(std::int64_t rows, std::int64_t M, std::int64_t N, const __nv_bfloat16* dz,
                                  std::int64_t ld_dz, const __nv_bfloat16* x, std::int64_t ld_x, __nv_bfloat16* hi,
                                  __nv_bfloat16* lo, std::int64_t ld_w, bool overwrite, Scale scale, cudaStream_t stream,

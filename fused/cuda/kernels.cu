@@ -364,11 +364,11 @@ __device__ inline void hilo_store(__nv_bfloat16* hi, __nv_bfloat16* lo, float s)
   *lo = __float2bfloat16_rn(s - __bfloat162float(h));
 }
 
-// One block per chunk row r with a nonzero target coefficient and a target in [v_begin, v_end). The block of the first such row of each target t
-// (its leader; the others return) sums c[r'] x[r'] over every row r' of the chunk with target t, in chunk order
-// (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum times `scale` into row t
-// once: of the hi/lo pair, or of an fp32 accumulator (`f32` not null).
-// Leaders of different targets write different rows: no atomics, and the result does not depend on timing.
+// One block per chunk row r with a nonzero target coefficient and a target in [v_begin, v_end). The block of the first
+// such row of each target t (its leader; the others return) sums c[r'] x[r'] over every row r' of the chunk with target
+// t, in chunk order (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum times
+// `scale` into row t once: of the hi/lo pair, or of an fp32 accumulator (`f32` not null). Leaders of different targets
+// write different rows: no atomics, and the result does not depend on timing.
 constexpr int kTargetColumns = 16;  // columns per thread and pass: H <= 4096 in one scan of the chunk's rows
 template <class T>
 __global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, std::int64_t ld_x,

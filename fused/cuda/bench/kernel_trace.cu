@@ -68,7 +68,8 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
 std::string short_name(const std::string& name) {
   // The hi/lo GEMMs' names are long enough that the demangler may give up: match what both forms spell alike.
   if (name.find("Residual") != std::string::npos) return "weight GEMM into the hi/lo pair (CUTLASS)";
-  if (name.find("L2PrefetchingEpilogue") != std::string::npos) return "weight GEMM, the pair's last: hi alone (CUTLASS)";
+  if (name.find("L2PrefetchingEpilogue") != std::string::npos)
+    return "weight GEMM, the pair's last: hi alone (CUTLASS)";
   if (name.find("RowStats") != std::string::npos) return "logits GEMM with epilogue statistics (CUTLASS)";
   if (name.find("MainloopSm90TmaGmmaWarpSpecializedFP8") != std::string::npos ||
       name.find("SplitNMainloop") != std::string::npos)
