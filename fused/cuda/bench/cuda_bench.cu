@@ -223,9 +223,8 @@ int main(int argc, char** argv) {
                                                                time_it(stream, warmup, reps, floor_logits)}
                                          : time_interleaved(stream, warmup, reps, {fused_forward, floor_logits});
       const std::string forward_schedule = runner.last_report().schedule.to_string();
-      // --against-*: the other setting's step and forward in turns with
-      // this one's (same runner, inputs and outputs; neither changes a buffer), so their ratio is free of the drift
-      // between runs.
+      // --against-*: the other setting's step and forward in turns with this one's (same runner, inputs and
+      // outputs; neither changes a buffer), so their ratio is free of the drift between runs.
       std::string against;
       auto time_against = [&](const char* name, std::int64_t value, const Options& full_options,
                               const Options& fwd_options, const Tuning& other) {

@@ -455,18 +455,23 @@ TEST(CudaBackendFeatures, RerunsAreBitIdentical) {
   spec.bias = true;
   spec.ignore = IgnorePattern::random;
   const Problem problem = generate(spec);
+  // One chunk, chunks of T - 1 rows, and the low-memory schedule (where it runs), whose slices' target terms also
+  // add per target in row order.
+  struct Schedule {
+    const char* what;
+    std::int64_t max_chunk_rows;
+    bool low_memory;
+  };
   for (const bool f32 : {false, true})
-    for (const std::int64_t chunk_rows : {std::int64_t{0}, spec.shape.T - 1, std::int64_t{-1}}) {
-      // -1: the low-memory schedule (where it runs), whose slice's target terms also add per target in row order
-      const bool low_memory = chunk_rows < 0;
-      if (low_memory && !cuda::promoted_stats_available()) continue;
-      SCOPED_TRACE(std::string(f32 ? "fp32" : "bf16") + " grad_weight, " +
-                   (low_memory ? "low-memory schedule" : "max_chunk_rows " + std::to_string(chunk_rows)));
+    for (const Schedule& schedule : {Schedule{"one chunk", 0, false}, Schedule{"chunks", spec.shape.T - 1, false},
+                                     Schedule{"low-memory schedule", 0, true}}) {
+      if (schedule.low_memory && !cuda::promoted_stats_available()) continue;
+      SCOPED_TRACE(std::string(f32 ? "fp32" : "bf16") + " grad_weight, " + schedule.what);
       Options options = cuda_options();
       options.grad_weight_f32 = f32;
-      options.max_chunk_rows = std::max<std::int64_t>(chunk_rows, 0);
+      options.max_chunk_rows = schedule.max_chunk_rows;
       cuda::Tuning tuning;
-      if (low_memory) {
+      if (schedule.low_memory) {
         options.workspace_bytes = std::int64_t{1} << 20;
         tuning.low_memory = cuda::Tuning::LowMemory::always;
       }
