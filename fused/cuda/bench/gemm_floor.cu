@@ -60,7 +60,7 @@ namespace {
 // Problems, in cuBLAS's column-major terms: C[m, n] (ldc) = alpha op(A)[m, k] op(B)[k, n] + beta C. Every row-major
 // shape above is its transpose, as cuda_bench.cu writes them.
 
-enum class Kind { logits_bf16, logits_f32, grad_x, grad_w_bf16, grad_w_f32 };
+enum class Kind { logits_bf16, logits_f32, grad_x, grad_x_f32, grad_w_bf16, grad_w_f32 };
 
 struct Problem {
   Kind kind;
@@ -265,6 +265,8 @@ using Coop128x256c1x2 = Config<128, 256, 1, 2, Coop, CoopEpi>;
 using Coop256x128c2x1 = Config<256, 128, 2, 1, Coop, CoopEpi>;
 using Coop128x192c1x1 = Config<128, 192, 1, 1, Coop, CoopEpi>;
 using Ping128x128c1x2 = Config<128, 128, 1, 2, Ping, PingEpi>;
+using Ping128x128c1x1 = Config<128, 128, 1, 1, Ping, PingEpi>;
+using Ping64x256c1x1 = Config<64, 256, 1, 1, Ping, PingEpi>;
 
 // 16-byte accesses; a void C (no source) takes D's.
 template <class T, class D>
@@ -371,6 +373,10 @@ std::vector<KernelFactory> cutlass_kernels(Kind kind) {
     case Kind::logits_f32: return kernels<Row, Col, void, float, Coop128x256c1x2, Coop128x192c1x1>();
     case Kind::grad_x:
       return kernels<Row, Row, void, bf16, Coop128x256c2x1, Coop128x256c1x2, Coop256x128c2x1, Ping128x128c1x2>();
+    // The accumulator's read and write per tile is what a cooperative kernel does not overlap with its MMAs; a
+    // ping-pong kernel runs one warpgroup's epilogue under the other's mainloop.
+    case Kind::grad_x_f32:
+      return kernels<Row, Row, float, float, Coop128x256c1x2, Ping128x128c1x2, Ping128x128c1x1, Ping64x256c1x1>();
     case Kind::grad_w_bf16:
       return kernels<Col, Row, bf16, bf16, Coop128x256c2x1, Coop128x256c1x2, Coop256x128c2x1, Ping128x128c1x2>();
     case Kind::grad_w_f32: return kernels<Col, Row, float, float, Coop128x256c2x1, Coop256x128c2x1>();
@@ -464,7 +470,7 @@ double reference_error(const Problem& p, const std::vector<float>& start, const 
   return scale > 0 ? diff / scale : std::numeric_limits<double>::infinity();
 }
 
-const char* shape_names[] = {"logits_bf16", "logits_f32", "grad_x", "grad_w_bf16", "grad_w_f32"};
+const char* shape_names[] = {"logits_bf16", "logits_f32", "grad_x", "grad_x_f32", "grad_w_bf16", "grad_w_f32"};
 
 }  // namespace
 
@@ -557,9 +563,11 @@ int main(int argc, char** argv) {
           p = {f32 ? Kind::logits_f32 : Kind::logits_bf16, shape,
                std::string("Z[M, V] = X W^T, ") + (f32 ? "fp32" : "bf16") + " out", CUBLAS_OP_T, CUBLAS_OP_N, V, M,
                H, W, H, X, H, out.get(), V, f32 ? CUDA_R_32F : CUDA_R_16BF, 0.0f};
-        } else if (shape == "grad_x") {
-          p = {Kind::grad_x, shape, "dX[M, H] = dZ W, bf16 out", CUBLAS_OP_N, CUBLAS_OP_N, H, M, V, W, H, DZ, V,
-               out.get(), H, CUDA_R_16BF, 0.0f};
+        } else if (shape == "grad_x" || shape == "grad_x_f32") {
+          const bool f32 = shape == "grad_x_f32";
+          p = {f32 ? Kind::grad_x_f32 : Kind::grad_x, shape,
+               f32 ? "dX[M, H] += dZ W, fp32 accumulator" : "dX[M, H] = dZ W, bf16 out", CUBLAS_OP_N, CUBLAS_OP_N, H,
+               M, V, W, H, DZ, V, out.get(), H, f32 ? CUDA_R_32F : CUDA_R_16BF, f32 ? 1.0f : 0.0f};
         } else {
           const bool f32 = shape == "grad_w_f32";
           p = {f32 ? Kind::grad_w_f32 : Kind::grad_w_bf16, shape,
