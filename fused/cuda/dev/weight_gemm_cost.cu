@@ -3,7 +3,8 @@
 // mainloop (CUTLASS's 128x256 cooperative kernel with both operands MN-major, against cuBLAS's own), the second
 // store (hi and lo: 4 bytes per element where cuBLAS writes 2), and the read of the pair that every chunk after the
 // first adds (4 more bytes per element, which a cooperative kernel does not overlap with its MMAs). This times, in
-// turns, on one chunk's shape (M = V = 128256 rows of grad_W, N = H = 4096, K = 4096 token rows):
+// turns, on one chunk's shape (M = V = 128256 rows of grad_W, N = H = 4096, K = 4096 token rows; --M and --K give
+// another, e.g. the low-memory schedule's tile: --M 2880 --K 5504):
 //   floor:       cuBLAS, dz^T x into bf16 (the step's floor GEMM)
 //   floor_f32:   cuBLAS into fp32 with beta = 1 (an fp32 accumulator's read-modify-write)
 //   overwrite:   the hi/lo GEMM of a step's first chunk (stores hi and lo, reads nothing)
@@ -14,7 +15,7 @@
 // so plain / floor is the mainloop, overwrite / plain the pair's epilogue, accumulate / overwrite the read. (x read
 // K-major, as x^T, measured no different from N-major: git history of this file, BENCHMARKS.md.) First it checks the
 // overwrite's hi against cuBLAS's bf16 output (the same sum, each rounded once to bf16: at most one ulp apart).
-//   weight_gemm_cost [--reps N]
+//   weight_gemm_cost [--reps N] [--M V_ROWS] [--K TOKEN_ROWS]
 #include "fused/cuda/bench/interleaved_timing.cuh"
 #include "fused/cuda/bench/random_fill.cuh"
 #include "fused/cuda/cuda_check.h"
@@ -32,9 +33,11 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <stdexcept>
 #include <vector>
 
 using namespace simpo::fused::cuda;
@@ -75,7 +78,14 @@ struct PlainGemm {
 int main(int argc, char** argv) {
   CLI::App app{"the hi/lo weight GEMM (first chunk and later chunks) in turns with cuBLAS's weight GEMM"};
   int reps = 15;
+  std::int64_t V = 128256, K = 4096;
   app.add_option("--reps", reps, "timed rounds (each body once per round; medians reported)");
+  app.add_option("--M", V, "rows of grad_W (a vocabulary slice's columns)")
+      ->check(CLI::Range(std::int64_t{8}, std::int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--K", K, "token rows summed over")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 16))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     if (!hilo_gemm_available()) {
@@ -85,7 +95,8 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     SIMPO_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s\n", prop.name);
-    const std::int64_t V = 128256, H = 4096, K = 4096;
+    const std::int64_t H = 4096;
+    if (V % 8 != 0) throw std::invalid_argument("--M must be a multiple of 8 (the hi/lo GEMM's TMA rows)");
     DeviceBuffer dz(std::size_t(K) * V * 2, "dz"), x(std::size_t(K) * H * 2, "x");
     DeviceBuffer hi(std::size_t(V) * H * 2, "hi"), lo(std::size_t(V) * H * 2, "lo");
     DeviceBuffer out(std::size_t(V) * H * 2, "cuBLAS bf16 out"), out32(std::size_t(V) * H * 4, "cuBLAS fp32 out");
@@ -119,7 +130,7 @@ int main(int argc, char** argv) {
     floor();
     hilo(true);
     SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::size_t sample = std::size_t(1) << 22;
+    const std::size_t sample = std::min<std::size_t>(std::size_t(1) << 22, std::size_t(V) * H);
     std::vector<__nv_bfloat16> a(sample), b(sample);
     SIMPO_CUDA_CHECK(cudaMemcpy(a.data(), hi.get(), sample * 2, cudaMemcpyDeviceToHost));
     SIMPO_CUDA_CHECK(cudaMemcpy(b.data(), out.get(), sample * 2, cudaMemcpyDeviceToHost));
