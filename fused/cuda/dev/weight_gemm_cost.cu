@@ -12,6 +12,10 @@
 //   finish:      the hi/lo GEMM of a step's last chunk after the first (reads the pair, adds, stores hi alone)
 //   plain:       the hi/lo GEMM's mainloop (128x256x64 cooperative, both operands MN-major) with CUTLASS's plain
 //                epilogue (bf16 D, no C)
+//   ping-pong:   the same hi/lo GEMM (hilo_gemm_kernel.cuh) as a 128x128 ping-pong kernel, first, later and last
+//                chunk: one consumer warpgroup's epilogue (the pair's read-modify-write) under the other's MMAs,
+//                which a cooperative kernel cannot overlap; its smaller tiles also fill the waves of a short M
+//                (the low-memory tile's 2880 rows are 2.8 waves of 128x256 tiles on 132 SMs)
 // so plain / floor is the mainloop, overwrite / plain the pair's epilogue, accumulate / overwrite the read. (x read
 // K-major, as x^T, measured no different from N-major: git history of this file, BENCHMARKS.md.) First it checks the
 // overwrite's hi against cuBLAS's bf16 output (the same sum, each rounded once to bf16: at most one ulp apart).
@@ -21,6 +25,7 @@
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/hilo_gemm.h"
+#include "fused/cuda/hilo_gemm_kernel.cuh"
 
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -75,6 +80,12 @@ struct PlainGemm {
   }
 };
 
+// The hi/lo GEMM as a ping-pong kernel of 128x128 tiles (no L2 prefetch: its epilogue subtiles are 64 rows).
+template <PairOutput kOutput>
+using PingPongHiLo =
+    hilo::HiLoGemm<cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                   cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized, kOutput>;
+
 int main(int argc, char** argv) {
   CLI::App app{"the hi/lo weight GEMM (first chunk and later chunks) in turns with cuBLAS's weight GEMM"};
   int reps = 15;
@@ -126,32 +137,43 @@ int main(int argc, char** argv) {
                                   nullptr, 0, output);
     };
 
-    // Check: the first chunk's hi is cuBLAS's bf16 output to within one bf16 ulp (both round the fp32 sum once).
+    auto pingpong = [&](bool overwrite, PairOutput output = PairOutput::hi_and_lo) {
+      (output == PairOutput::hi ? PingPongHiLo<PairOutput::hi>::run : PingPongHiLo<PairOutput::hi_and_lo>::run)(
+          K, V, H, dz.as<__nv_bfloat16>(), V, x.as<__nv_bfloat16>(), H, hi.as<__nv_bfloat16>(), lo.as<__nv_bfloat16>(),
+          H, overwrite, Scale{}, nullptr, nullptr, 0);
+    };
+
+    // Check: each first chunk's hi is cuBLAS's bf16 output to within one bf16 ulp (both round the fp32 sum once).
     floor();
-    hilo(true);
-    SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
     const std::size_t sample = std::min<std::size_t>(std::size_t(1) << 22, std::size_t(V) * H);
     std::vector<__nv_bfloat16> a(sample), b(sample);
-    SIMPO_CUDA_CHECK(cudaMemcpy(a.data(), hi.get(), sample * 2, cudaMemcpyDeviceToHost));
     SIMPO_CUDA_CHECK(cudaMemcpy(b.data(), out.get(), sample * 2, cudaMemcpyDeviceToHost));
-    std::size_t beyond = 0;
-    for (std::size_t i = 0; i < sample; ++i) {
-      const float p = __bfloat162float(a[i]), q = __bfloat162float(b[i]);
-      if (std::fabs(p - q) > std::ldexp(std::fabs(q), -7) + 1e-30f) ++beyond;
+    for (const bool pp : {false, true}) {
+      pp ? pingpong(true) : hilo(true);
+      SIMPO_CUDA_CHECK(cudaDeviceSynchronize());
+      SIMPO_CUDA_CHECK(cudaMemcpy(a.data(), hi.get(), sample * 2, cudaMemcpyDeviceToHost));
+      std::size_t beyond = 0;
+      for (std::size_t i = 0; i < sample; ++i) {
+        const float p = __bfloat162float(a[i]), q = __bfloat162float(b[i]);
+        if (std::fabs(p - q) > std::ldexp(std::fabs(q), -7) + 1e-30f) ++beyond;
+      }
+      std::printf("check (%s): %zu of %zu elements of hi more than one bf16 ulp from cuBLAS's: %s\n",
+                  pp ? "ping-pong" : "cooperative", beyond, sample, beyond == 0 ? "ok" : "FAILED");
+      if (beyond != 0) return 1;
     }
-    std::printf("check: %zu of %zu elements of hi more than one bf16 ulp from cuBLAS's: %s\n", beyond, sample,
-                beyond == 0 ? "ok" : "FAILED");
-    if (beyond != 0) return 1;
 
     auto plain = [&] {
       PlainGemm::run(int(K), int(V), int(H), dz.get(), int(V), x.get(), int(H), out.get(), int(H));
     };
     const auto t = bench::time_interleaved(
         nullptr, 3, reps,
-        {floor, floor_f32, [&] { hilo(true); }, [&] { hilo(false); }, [&] { hilo(false, PairOutput::hi); }, plain});
+        {floor, floor_f32, [&] { hilo(true); }, [&] { hilo(false); }, [&] { hilo(false, PairOutput::hi); }, plain,
+         [&] { pingpong(true); }, [&] { pingpong(false); }, [&] { pingpong(false, PairOutput::hi); }});
     bench::print_gemm_timings(V, H, K, reps,
                               {"floor (cuBLAS, bf16 out)", "cuBLAS into fp32, beta = 1", "hi/lo, first chunk",
-                               "hi/lo, later chunk", "hi/lo, last chunk (hi alone)", "CUTLASS mainloop, bf16 out"},
+                               "hi/lo, later chunk", "hi/lo, last chunk (hi alone)", "CUTLASS mainloop, bf16 out",
+                               "ping-pong hi/lo, first chunk", "ping-pong hi/lo, later chunk",
+                               "ping-pong hi/lo, last (hi)"},
                               t);
     SIMPO_CUBLAS_CHECK(cublasDestroy(blas));
   } catch (const std::exception& e) {
