@@ -2,7 +2,6 @@
 // each stage of fused/schedule.h's walk is a member function of ChunkedStep, with the buffers it reads and writes
 // named in one place, and the low-memory schedule is run_low_memory. No host synchronization from the first launch
 // to the copy of the row statistics at the end.
-#include "fused/cuda/accumulate_gemm.h"
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/device_fused.h"
 #include "fused/cuda/hilo_gemm.h"
@@ -471,8 +470,7 @@ class ChunkedStep {
 //   2. the pair math for every pair;
 //   3. backward, per slice [v0, v1) of the vocabulary and, within it, per block [r0, r1) of token rows: the
 //      tile's logits again, its dz from that GEMM's epilogue (V % 8 == 0; k and target_coef of every row first)
-//      or by dz_kernel in place over them, grad_x[r0, r1) += dz W[v0, v1) into an fp32 [N, ld_h] accumulator
-//      (accumulate_gemm.h's ping-pong GEMM),
+//      or by dz_kernel in place over them, grad_x[r0, r1) += dz W[v0, v1) into an fp32 [N, ld_h] accumulator,
 //      grad_W[v0, v1) (+)= dz^T x[r0, r1) into the hi/lo pair (hi the bf16 output's rows, lo the workspace's
 //      slice or the caller's lo) or fp32 rows (the fp32 output's, or the workspace's slice); the slice's grad_W
 //      rows get their target terms (target_rows_kernel: per target once, rows in order, so the step stays
@@ -554,7 +552,7 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
                               .v_end = v0 + columns};
     auto add_target_terms = [&] {
       launch_target_rows(p.x, ld_h, H, ChunkRows{.begin = {0, 0}, .rows = {N, 0}}, p.target, rows.target_coef, sink,
-                         stream, at<std::int32_t>(base, l.target_list));
+                         stream);
     };
     for (std::int64_t r0 = 0; r0 < N; r0 += R) {
       const std::int64_t block = std::min(R, N - r0);
@@ -571,15 +569,7 @@ void run_low_memory(const DeviceProblem& p, const DeviceGradients& g, const Step
         tile.column_begin = v0;
         launch_dz(tile, coefficients, rows.row_max, rows.lse, rows.z_target, dz, ld_dz, rows.target_coef, stream);
       }
-      // grad_x's rows += dz W[v0, v1): the ping-pong GEMM hides the accumulator's read and write under its MMAs
-      // (accumulate_gemm.h); cuBLASLt where it cannot take the slice (a last one of V % 8 columns).
-      float* grad_x_rows = grad_x_sum + r0 * ld_h;
-      if (accumulate_gemm_available() &&
-          accumulate_gemm_fits(columns, ld_h, ld_dz, ld_h, ld_h, dz, w_slice, grad_x_rows))
-        accumulate_grad_x(block, columns, ld_h, dz, ld_dz, w_slice, ld_h, grad_x_rows, ld_h, /*overwrite=*/v0 == 0,
-                          stream);
-      else
-        gemms.grad_x(block, columns, ld_h, dz, ld_dz, w_slice, grad_x_rows, /*accumulate=*/v0 > 0);
+      gemms.grad_x(block, columns, ld_h, dz, ld_dz, w_slice, grad_x_sum + r0 * ld_h, /*accumulate=*/v0 > 0);
       if (hilo) {
         accumulate_hilo(HiLoChunk{.rows = block, .V = columns, .H = H, .dz = dz, .ld_dz = ld_dz, .x = x_block,
                                   .ld_x = ld_h, .hi = hi, .lo = lo, .overwrite = r0 == 0,

@@ -25,8 +25,6 @@
 #include "fused/cuda/kernels.h"
 
 #include <algorithm>
-#include <cstdint>
-#include <string>
 
 #include "fused/cuda/cuda_check.h"
 #include "fused/cuda/row_reduce.cuh"
@@ -366,17 +364,20 @@ __device__ inline void hilo_store(__nv_bfloat16* hi, __nv_bfloat16* lo, float s)
   *lo = __float2bfloat16_rn(s - __bfloat162float(h));
 }
 
-// A block's work for chunk row r with a nonzero target coefficient and a target in [v_begin, v_end). The block of
-// the first such row of each target t (its leader; the others return) sums c[r'] x[r'] over every row r' of the
-// chunk with target t, in chunk order (rows found 256 at a time by ballots: a deterministic order), in fp32, then
-// adds the sum times `scale` into row t once: of the hi/lo pair, or of an fp32 accumulator (`f32` not null).
-// Leaders of different targets write different rows: no atomics, and the result does not depend on timing.
+// One block per chunk row r with a nonzero target coefficient and a target in [v_begin, v_end). The block of the first
+// such row of each target t (its leader; the others return) sums c[r'] x[r'] over every row r' of the chunk with target
+// t, in chunk order (rows found 256 at a time by ballots: a deterministic order), in fp32, then adds the sum times
+// `scale` into row t once: of the hi/lo pair, or of an fp32 accumulator (`f32` not null). Leaders of different targets
+// write different rows: no atomics, and the result does not depend on timing.
 constexpr int kTargetColumns = 16;  // columns per thread and pass: H <= 4096 in one scan of the chunk's rows
 template <class T>
-__device__ void target_row(std::int64_t j, const T* x, std::int64_t ld_x, std::int64_t H, const ChunkRows& c,
-                           const std::int64_t* target, const float* coef, __nv_bfloat16* hi, __nv_bfloat16* lo,
-                           float* f32, std::int64_t ld_w, Scale scale_of, std::int64_t v_begin, std::int64_t v_end) {
-  const std::int64_t n = c.rows[0] + c.rows[1], r = chunk_row(c, j);
+__global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, std::int64_t ld_x,
+                                                                      std::int64_t H, ChunkRows c,
+                                                                      const std::int64_t* target, const float* coef,
+                                                                      __nv_bfloat16* hi, __nv_bfloat16* lo, float* f32,
+                                                                      std::int64_t ld_w, Scale scale_of,
+                                                                      std::int64_t v_begin, std::int64_t v_end) {
+  const std::int64_t n = c.rows[0] + c.rows[1], j = blockIdx.x, r = chunk_row(c, j);
   const std::int64_t t = target[r];
   if (coef[r] == 0.0f || t < v_begin || t >= v_end) return;  // block-uniform
   const float scale = value_of(scale_of);
@@ -434,34 +435,6 @@ __device__ void target_row(std::int64_t j, const T* x, std::int64_t ld_x, std::i
       else hilo_store(hi + at, lo + at, hilo_value(hi + at, lo + at) + add);
     }
   }
-}
-
-// Block j for chunk row j, or (kListed) blocks striding over the rows list_target_rows_kernel listed: listed[0] of
-// them in listed[1..], in no particular order (each row's sum is its own: the order of the list changes no bit).
-template <class T, bool kListed>
-__global__ void __launch_bounds__(kRowThreads) target_rows_kernel(const T* x, std::int64_t ld_x, std::int64_t H,
-                                                                  ChunkRows c, const std::int64_t* target,
-                                                                  const float* coef, __nv_bfloat16* hi,
-                                                                  __nv_bfloat16* lo, float* f32, std::int64_t ld_w,
-                                                                  Scale scale, std::int64_t v_begin,
-                                                                  std::int64_t v_end, const std::int32_t* listed) {
-  if constexpr (!kListed) {
-    target_row(blockIdx.x, x, ld_x, H, c, target, coef, hi, lo, f32, ld_w, scale, v_begin, v_end);
-  } else {
-    for (std::int32_t i = blockIdx.x; i < listed[0]; i += gridDim.x)
-      target_row(listed[1 + i], x, ld_x, H, c, target, coef, hi, lo, f32, ld_w, scale, v_begin, v_end);
-  }
-}
-
-// The chunk rows with a nonzero coefficient and a target in [v_begin, v_end) into listed[1..], their count in
-// listed[0] (zeroed before): a slice of the vocabulary holds a few hundred of a step's rows, so target_rows_kernel
-// then runs a block for each of those instead of one for every row.
-__global__ void list_target_rows_kernel(ChunkRows c, const std::int64_t* target, const float* coef,
-                                        std::int64_t v_begin, std::int64_t v_end, std::int32_t* listed) {
-  const std::int64_t j = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= c.rows[0] + c.rows[1]) return;
-  const std::int64_t r = chunk_row(c, j), t = target[r];
-  if (coef[r] != 0.0f && t >= v_begin && t < v_end) listed[1 + atomicAdd(listed, 1)] = static_cast<std::int32_t>(j);
 }
 
 // Rows [v_begin, v_begin + gridDim.x) of dz^T x, which the hi/lo GEMM cannot take (the last V % 8: its TMA wants
@@ -686,31 +659,12 @@ void launch_scale(const T* hi, const T* lo, std::int64_t n, const float* scale, 
 template <class T>
 void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const ChunkRows& rows,
                         const std::int64_t* target, const float* target_coef, const TargetRowsSink& sink,
-                        cudaStream_t stream, std::int32_t* listed) {
+                        cudaStream_t stream) {
   const std::int64_t n = rows.rows[0] + rows.rows[1];
   if (n == 0 || H == 0) return;
-  if (listed == nullptr) {
-    target_rows_kernel<T, false><<<grid_rows(n), kRowThreads, 0, stream>>>(
-        x, ld_x, H, rows, target, target_coef, sink.hi, sink.lo, sink.f32, sink.ld_w, sink.scale, sink.v_begin,
-        sink.v_end, nullptr);
-    SIMPO_CUDA_CHECK_LAUNCH();
-    return;
-  }
-  if (n > INT32_MAX - 1) throw CudaError("target rows: " + std::to_string(n) + " rows exceed the int32 list");
-  SIMPO_CUDA_CHECK(cudaMemsetAsync(listed, 0, sizeof(std::int32_t), stream));
-  list_target_rows_kernel<<<static_cast<unsigned>((n + kRowThreads - 1) / kRowThreads), kRowThreads, 0, stream>>>(
-      rows, target, target_coef, sink.v_begin, sink.v_end, listed);
-  SIMPO_CUDA_CHECK_LAUNCH();
-  // Four blocks per SM (the list's length is on the device): more than a slice's rows in the common case.
-  static const int blocks = [] {
-    int device = 0, sms = 0;
-    SIMPO_CUDA_CHECK(cudaGetDevice(&device));
-    SIMPO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return 4 * sms;
-  }();
-  target_rows_kernel<T, true><<<static_cast<unsigned>(std::min<std::int64_t>(n, blocks)), kRowThreads, 0, stream>>>(
-      x, ld_x, H, rows, target, target_coef, sink.hi, sink.lo, sink.f32, sink.ld_w, sink.scale, sink.v_begin,
-      sink.v_end, listed);
+  target_rows_kernel<<<grid_rows(n), kRowThreads, 0, stream>>>(x, ld_x, H, rows, target, target_coef, sink.hi, sink.lo,
+                                                               sink.f32, sink.ld_w, sink.scale, sink.v_begin,
+                                                               sink.v_end);
   SIMPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -734,7 +688,7 @@ void launch_hilo_tail(std::int64_t rows, std::int64_t v_begin, std::int64_t v_en
   template void launch_bias_column_sums<T>(const T*, std::int64_t, const ChunkRows&, std::int64_t, std::int64_t,     \
                                            const std::int64_t*, const float*, float*, cudaStream_t, float);          \
   template void launch_target_rows<T>(const T*, std::int64_t, std::int64_t, const ChunkRows&, const std::int64_t*,   \
-                                      const float*, const TargetRowsSink&, cudaStream_t, std::int32_t*);             \
+                                      const float*, const TargetRowsSink&, cudaStream_t);                            \
   template void launch_round_to<T>(const float*, std::int64_t, std::int64_t, std::int64_t, T*, cudaStream_t, T*);    \
   template void launch_scale<T>(const T*, const T*, std::int64_t, double, T*, cudaStream_t);                       \
   template void launch_scale<T>(const T*, const T*, std::int64_t, const float*, T*, cudaStream_t);

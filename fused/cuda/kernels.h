@@ -168,12 +168,10 @@ struct TargetRowsSink {
 // The target term grad_W[target[r]] += c[r] x[r] over the chunk's rows, summed per target in fp32 in chunk order
 // and added into the sink once per target (deterministic, no atomics). The bias's target term is
 // launch_bias_column_sums'.
-// The hi/lo sink is for bf16 inputs only. `listed` (or null): scratch of rows + 1 int32 where the rows whose target is
-// in the sink's range are listed first, so that only they get a block (a slice of the vocabulary: few of the rows).
+// The hi/lo sink is for bf16 inputs only.
 template <class T>
 void launch_target_rows(const T* x, std::int64_t ld_x, std::int64_t H, const ChunkRows&,
-                        const std::int64_t* target, const float* target_coef, const TargetRowsSink&, cudaStream_t,
-                        std::int32_t* listed = nullptr);
+                        const std::int64_t* target, const float* target_coef, const TargetRowsSink&, cudaStream_t);
 
 // hi/lo rows [v_begin, v_end) = scale (hi + lo + dz[rows, v]^T x[rows, H]) in fp32 (overwrite: hi + lo not read):
 // the last V % 8 rows of the weight gradient, which the hi/lo GEMM leaves (a handful of rows; a plain loop over the

@@ -118,9 +118,7 @@ SlicedLayout sliced_layout(const Shape& s, std::int64_t budget, const Layout& fi
   SlicedLayout l;
   const std::int64_t N = s.N();
   l.row_k = fixed.fixed - kChunkBuffers * kAlign;
-  l.target_list = l.row_k + align_up(N * 4);
-  const std::int64_t lists = align_up(N * 4) + align_up((N + 1) * 4);
-  const std::int64_t start = l.row_k + lists, region = budget - fixed.fixed - lists;
+  const std::int64_t start = l.row_k + align_up(N * 4), region = budget - fixed.fixed - align_up(N * 4);
   if (region <= 0) return l;
   l.stat_rows = std::min(N, region / (tiles * 16));
   const BackwardTile tile = backward_tile(N, s.V, region, dz_in_epilogue ? 2 : 4, slice_column_bytes);
@@ -251,7 +249,6 @@ StepPlan plan_step(const Shape& s, DType input, const Options& options, const De
       plan.accumulator_bytes = N * ld_h * 4;
       plan.regions = fixed_regions(s, fixed);
       plan.regions.push_back({"row coefficients k", sliced.row_k, N * 4, {}});
-      plan.regions.push_back({"a slice's target rows", sliced.target_list, (N + 1) * 4, {}});
       // The statistics pass, then (in the same bytes) the backward's tile and grad_W slice.
       const std::int64_t stat_rows = sliced.stat_rows, element = dz_in_epilogue ? 2 : 4;
       plan.regions.push_back({"statistics pass: tile partials", sliced.tile_max,

@@ -85,16 +85,15 @@ struct Layout {
   std::int64_t total = 0;
 };
 
-// The low-memory schedule's workspace: the fixed part as above, the rows' coefficients k, the list of a slice's
-// target rows, then one region used twice: the statistics pass's tile partials for chunks of stat_rows token rows,
-// then the backward's tile of block_rows token rows by slice_columns vocabulary columns (its bf16 dz from the GEMM's
-// epilogue, or fp32 logits with dz in place) and the slice's grad_W accumulator where the caller's outputs do not
-// hold it: the lo half of the hi/lo pair (bf16; hi is the bf16 output's rows), or fp32 rows where the pair cannot
-// run (none beside an fp32 grad_weight output, or the caller's lo).
+// The low-memory schedule's workspace: the fixed part as above, the rows' coefficients k, then one region used
+// twice: the statistics pass's tile partials for chunks of stat_rows token rows, then the backward's tile of
+// block_rows token rows by slice_columns vocabulary columns (its bf16 dz from the GEMM's epilogue, or fp32 logits
+// with dz in place) and the slice's grad_W accumulator where the caller's outputs do not hold it: the lo half of the
+// hi/lo pair (bf16; hi is the bf16 output's rows), or fp32 rows where the pair cannot run (none beside an fp32
+// grad_weight output, or the caller's lo).
 struct SlicedLayout {
   std::int64_t stat_rows = 0, block_rows = 0, slice_columns = 0;
   std::int64_t row_k = 0;
-  std::int64_t target_list = 0;  // N + 1 int32: a slice's rows with a target in it (launch_target_rows' `listed`)
   std::int64_t tile_max = 0, tile_sum_exp = 0, tile_sum = 0;  // the statistics pass
   std::int64_t tile = 0, grad_w_slice = 0;                    // the backward
   bool fits() const { return stat_rows > 0 && block_rows > 0 && slice_columns > 0; }

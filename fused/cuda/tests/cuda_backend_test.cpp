@@ -2,7 +2,6 @@
 // this executable as the CudaBackend* tests): the logits GEMM's forms (cuBLAS slices, the promoted GEMM's
 // variants), workspace budgets from the 64 MiB minimum up with the runner's own report, device errors and the
 // dispatch. Needs a CUDA device: without one every test that runs the backend skips with a message saying so.
-#include "fused/cuda/accumulate_gemm.h"
 #include "fused/cuda/cuda_backend.h"
 #include "fused/cuda/device_buffer.h"
 #include "fused/cuda/device_fused.h"
@@ -373,68 +372,6 @@ TEST(CudaBackendFeatures, HiLoWeightGemmCarriesSixteenBitsAndRoundsToNearest) {
     SCOPED_TRACE("and a last chunk into hi alone");
     check(/*pair=*/false);
     EXPECT_EQ(std::memcmp(lo_h.data(), lo_before.data(), lo_h.size() * 2), 0) << "the last chunk wrote lo";
-  }
-  cudaStreamDestroy(stream);
-}
-
-// ---- the low-memory schedule's grad_x GEMM ----
-
-// accumulate_grad_x (accumulate_gemm.h) over four vocabulary slices (K = 200, 8, 2880 and 64 columns; 300 rows, not
-// a tile's multiple; dz with the runner's in-place stride; N and the accumulator's stride unequal) against float64,
-// element by element: after each slice the accumulator is the exact sum to within the accumulated bound
-//   sum over slices of  K_i 2^-23 sum |dz w|          (the tensor cores' fp32 accumulation over the slice's K_i)
-//                     + 2^-24 (|acc| + sum |dz w|)    (the epilogue's one fp32 addition)
-// The accumulator starts as NaN (the first slice must write it without reading), and its padding columns past N
-// stay untouched.
-TEST(CudaBackendFeatures, AccumulateGemmAddsEachSliceIntoTheFp32Accumulator) {
-  SKIP_WITHOUT_DEVICE();
-  if (!cuda::accumulate_gemm_available())
-    GTEST_SKIP() << "the grad_x accumulate GEMM needs a build with CUTLASS and a device of compute capability 9.0";
-  const std::int64_t rows = 300, N = 136, ld_acc = 144, ld_w = 152;
-  const std::vector<std::int64_t> slices = {200, 8, 2880, 64};
-  const double scales[] = {1.0, 0.5, 2.0, 0.01};
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  {
-    std::mt19937_64 rng(71);
-    cuda::DeviceBuffer acc(rows * ld_acc * 4, "accumulator");
-    ASSERT_EQ(cudaMemset(acc.get(), 0xFF, acc.bytes()), cudaSuccess);  // 0xFFFFFFFF: an fp32 NaN
-    std::vector<double> exact(rows * N, 0.0), bound(rows * N, 0.0);
-    std::vector<float> out(rows * ld_acc);
-    for (std::size_t i = 0; i < slices.size(); ++i) {
-      const std::int64_t K = slices[i], ld_dz = 2 * K + 8;
-      ASSERT_TRUE(cuda::accumulate_gemm_fits(K, N, ld_dz, ld_w, ld_acc, acc.get(), acc.get(), acc.get()));
-      const std::vector<bf16> dz = random_bf16(rows * ld_dz, scales[i], rng), w = random_bf16(K * ld_w, 1.0, rng);
-      cuda::DeviceBuffer dz_d(dz.size() * 2, "dz"), w_d(w.size() * 2, "w");
-      ASSERT_EQ(cudaMemcpy(dz_d.get(), dz.data(), dz.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(w_d.get(), w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-      cuda::accumulate_grad_x(rows, K, N, dz_d.as<__nv_bfloat16>(), ld_dz, w_d.as<__nv_bfloat16>(), ld_w,
-                              acc.as<float>(), ld_acc, /*overwrite=*/i == 0, stream);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t n = 0; n < N; ++n) {
-          double sum = 0, abs_sum = 0;
-          for (std::int64_t k = 0; k < K; ++k) {
-            const double term = double(float(dz[r * ld_dz + k])) * double(float(w[k * ld_w + n]));
-            sum += term;
-            abs_sum += std::abs(term);
-          }
-          double& e = exact[r * N + n];
-          bound[r * N + n] += K * std::ldexp(abs_sum, -23) + std::ldexp(std::abs(e) + abs_sum, -24);
-          e += sum;
-        }
-      ASSERT_EQ(cudaMemcpy(out.data(), acc.get(), acc.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
-      int misses = 0, padding_written = 0;
-      for (std::int64_t r = 0; r < rows; ++r) {
-        for (std::int64_t n = 0; n < N; ++n)
-          misses += !(std::abs(double(out[r * ld_acc + n]) - exact[r * N + n]) <= bound[r * N + n]);  // NaN: a miss
-        for (std::int64_t n = N; n < ld_acc; ++n) padding_written += !std::isnan(out[r * ld_acc + n]);
-      }
-      EXPECT_EQ(misses, 0) << "after slice " << i << " (K = " << K << "): outside the fp32 bound, of " << rows * N;
-      EXPECT_EQ(padding_written, 0) << "after slice " << i << ": columns past N written";
-    }
-    EXPECT_FALSE(cuda::accumulate_gemm_fits(4, N, 8, ld_w, ld_acc, acc.get(), acc.get(), acc.get()))
-        << "K = 4: not whole 16-byte groups of dz";
   }
   cudaStreamDestroy(stream);
 }
