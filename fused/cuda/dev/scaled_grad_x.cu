@@ -58,7 +58,8 @@ constexpr int kEpilogueSmem = static_cast<int>(sizeof(typename Epilogue::SharedS
 // E [M, K = V] k-contiguous, W [K = V, N = H] n-contiguous.
 using Plain = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8, Element,
-    cutlass::layout::RowMajor, 8, float, Tile, Cluster, cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
+    cutlass::layout::RowMajor, 8, float, Tile, Cluster,
+    cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmem>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 constexpr int kStages = cutlass::gemm::collective::detail::compute_stage_count_with_blockwise_scale<
     cutlass::gemm::collective::detail::sm90_smem_capacity_bytes, Element, Element, float, Tile, 128, 1>(
@@ -125,12 +126,14 @@ __global__ void dz_pass(const __nv_bfloat16* e, const float* sfa, std::int64_t M
 }
 
 __global__ void fill_scales(float* out, std::int64_t n, std::uint64_t seed) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x)
+  const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += stride)
     out[i] = exp2f(-4.0f * (1.0f + bench::uniform_pm1(seed, i)));  // (2^-8, 1]: a softmax's tile factors
 }
 
 int main(int argc, char** argv) {
-  CLI::App app{"grad_x from E with per-(row, 64 k) scales (CUTLASS's blockwise scaled mainloop) against dz pass + cuBLAS"};
+  CLI::App app{"grad_x from E with per-(row, 64 k) scales (CUTLASS's blockwise scaled mainloop) against the dz "
+               "pass plus cuBLAS"};
   std::int64_t M = 4096;
   int reps = 9;
   app.add_option("--rows", M, "token rows of the chunk")->check(CLI::Range(std::int64_t{128}, std::int64_t{16384}));
@@ -149,7 +152,8 @@ int main(int argc, char** argv) {
     std::printf("device: %s\n", prop.name);
     const std::int64_t K = 128256, N = 4096, blocks = (K + scaled::kScaleK - 1) / scaled::kScaleK;
     DeviceBuffer e(M * K * 2, "E"), dz(M * K * 2, "dz"), w(K * N * 2, "W"), sfa(blocks * M * 4, "row scales");
-    DeviceBuffer sfb(blocks * (N / 128) * 4, "column scales"), out(M * N * 4, "scaled out"), ref(M * N * 4, "cuBLAS out");
+    DeviceBuffer sfb(blocks * (N / 128) * 4, "column scales"), out(M * N * 4, "scaled out");
+    DeviceBuffer ref(M * N * 4, "cuBLAS out");
     DeviceBuffer blas_ws(std::size_t{32} << 20, "cuBLAS workspace");
     bench::fill_uniform<<<4096, 256>>>(e.as<__nv_bfloat16>(), M, K, K, 1.0f, 7);  // |E| <= 1 as exp(<= 0); signs mixed
     bench::fill_uniform<<<4096, 256>>>(w.as<__nv_bfloat16>(), K, N, N, 0.03f, 8);
