@@ -11,8 +11,9 @@
 //   floor:   cuBLAS, dz[M, V] W[V, H] into fp32 (the step's grad_x GEMM)
 //   dz pass: dz = bf16(s E) over [M, V] (read E and s, write dz: the pass this would remove, as a plain kernel)
 //   scaled:  the blockwise scaled GEMM from E and s into fp32
-// First it checks the scaled GEMM against float64 on sampled elements (bound: K 2^-23 sum |s E W| for the tensor
-// cores' fp32 accumulation and the promotions' products).
+// First it checks the scaled GEMM against float64 on sampled elements, within (64 + K / 64) 2^-23 sum |s E W|: the
+// tensor cores' fp32 sum over each 64-k block, then one fp32 multiply-add per block at its promotion (K 2^-23 would
+// be looser than the values themselves at K = V: random signs make |sum| ~ sum |terms| / sqrt(K)).
 //   scaled_grad_x [--rows M] [--reps N]
 #include "fused/cuda/bench/interleaved_timing.cuh"
 #include "fused/cuda/bench/random_fill.cuh"
@@ -200,9 +201,9 @@ int main(int argc, char** argv) {
       }
       float got = 0;
       SIMPO_CUDA_CHECK(cudaMemcpy(&got, out.as<float>() + m * N + n, 4, cudaMemcpyDeviceToHost));
-      misses += !(std::abs(double(got) - exact) <= double(K) * std::ldexp(bound, -23));
+      misses += !(std::abs(double(got) - exact) <= double(64 + blocks) * std::ldexp(bound, -23));
     }
-    std::printf("check: %d of 64 sampled elements outside K 2^-23 sum |terms| of float64: %s\n", misses,
+    std::printf("check: %d of 64 sampled elements outside (64 + K / 64) 2^-23 sum |terms| of float64: %s\n", misses,
                 misses == 0 ? "ok" : "FAILED");
     if (misses != 0) return 1;
 
