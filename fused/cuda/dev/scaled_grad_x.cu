@@ -79,7 +79,7 @@ using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 // grad_x[M, N] = sum_k sfa[k / 64][m] E[m, k] W[k, n] (sfb all ones).
 struct Run {
   Gemm gemm;
-  DeviceBuffer workspace{16, "scaled GEMM workspace"};
+  DeviceBuffer workspace;  // allocated once the arguments say how much
   Run(int M, int N, int K, const __nv_bfloat16* e, const __nv_bfloat16* w, const float* sfa, const float* sfb,
       float* out) {
     typename Gemm::Arguments args{};
@@ -90,9 +90,10 @@ struct Run {
     args.mainloop.ptr_B = reinterpret_cast<const Element*>(w);
     args.mainloop.dB = typename Plain::StrideB{cute::Int<1>{}, N, 0};
     args.mainloop.ptr_SFA = sfa;
-    args.mainloop.layout_SFA = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(M, N, K, 1));
+    const auto shape = cute::make_shape(M, N, K, 1);
+    args.mainloop.layout_SFA = ScaleConfig::tile_atom_to_shape_SFA(shape);
     args.mainloop.ptr_SFB = sfb;
-    args.mainloop.layout_SFB = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, N, K, 1));
+    args.mainloop.layout_SFB = ScaleConfig::tile_atom_to_shape_SFB(shape);
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
     args.epilogue.ptr_D = out;
